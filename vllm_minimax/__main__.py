@@ -1,0 +1,3 @@
+from vllm_minimax.cli import main
+
+raise SystemExit(main())
