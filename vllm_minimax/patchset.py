@@ -342,10 +342,10 @@ def recorded_file_state(root: Path, record: RecordedFile) -> FileState:
     current = sha256_of(root / record.path)
     if current == record.after_sha256:
         return "as-applied"
-    if current == record.before_sha256:
-        return "pristine"
     if current is None:
         return "missing"
+    if current == record.before_sha256:
+        return "pristine"
     return "edited"
 
 
@@ -633,7 +633,12 @@ def revert_series(target: Path | None = None) -> RevertResult:
             f" (no {STATE_FILE} there)"
         )
     file_states = {record.path: recorded_file_state(root, record) for record in state.files}
-    edited = sorted(path for path, s in file_states.items() if s in ("edited", "missing"))
+    originals = {record.path: record.before_content for record in state.files}
+    edited = sorted(
+        path
+        for path, s in file_states.items()
+        if s == "edited" or (s == "missing" and originals[path] is not None)
+    )
     if edited:
         listing = ", ".join(f"{path} ({file_states[path]})" for path in edited)
         raise PatchError(
@@ -644,7 +649,9 @@ def revert_series(target: Path | None = None) -> RevertResult:
     restored, removed = [], []
     for record in state.files:
         file_path = root / record.path
-        if file_states[record.path] == "pristine":
+        if file_states[record.path] == "pristine" or (
+            file_states[record.path] == "missing" and record.before_content is None
+        ):
             continue
         if record.before_content is None:
             file_path.unlink()
