@@ -1,0 +1,53 @@
+"""Make this test directory import the patched real vLLM 0.34.0.
+
+The installed vLLM is mirrored into a temporary directory as a tree of symlinks;
+the files the series touches are real copies, and `vllm-minimax apply` patches
+them there. That tree goes first on `sys.path` before anything imports vLLM, so
+these tests run vLLM's own code with the series applied while the installed
+package stays pristine. This directory runs in its own pytest process
+(`scripts/test`), because a process can hold only one `vllm` package.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from vllm_minimax import patchset
+
+
+def _installed_vllm_root() -> Path:
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations, "vLLM is not installed"
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def _build_patched_tree() -> Path:
+    assert "vllm" not in sys.modules, "vLLM was imported before the patched tree was set up"
+    installed = _installed_vllm_root()
+    root = Path(tempfile.mkdtemp(prefix="patched-vllm-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    for directory, subdirs, files in os.walk(installed / "vllm"):
+        subdirs[:] = [d for d in subdirs if d != "__pycache__"]
+        mirror = root / Path(directory).relative_to(installed)
+        mirror.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            (mirror / name).symlink_to(Path(directory) / name)
+    series_dir = patchset.require_series_dir(patchset.read_vllm_version(installed))
+    for rel in patchset.touched_paths(patchset.read_series(series_dir)):
+        copy = root / rel
+        if copy.is_symlink():
+            copy.unlink()
+            shutil.copy2(installed / rel, copy)
+    result = patchset.apply_series(root)
+    assert not result.already_applied
+    return root
+
+
+PATCHED_VLLM_ROOT = _build_patched_tree()
+sys.path.insert(0, str(PATCHED_VLLM_ROOT))
