@@ -1,0 +1,110 @@
+"""The patch's FlashInfer indexer module, loaded through the vLLM shim, with
+the kernels replaced by the float32 reference: its build() + forward() must
+give the reference's selection on a small decode + prefill batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_minimax import patched_module as pm
+from vllm_minimax import reference
+from vllm_minimax.indexer_cases import (
+    IndexerCase,
+    expected_topk_values,
+    make_batch,
+    patched_run,
+    reference_scores,
+    value_check,
+    vector_invariants,
+)
+
+
+def test_extracts_the_new_file():
+    src = pm.patched_source()
+    assert "class MiniMaxM3IndexerFlashInferImpl" in src
+    assert "from flashinfer.msa_ops import msa_proxy_score, msa_topk_select" in src
+    compile(src, "indexer_flashinfer.py", "exec")
+
+
+def test_shim_leaves_sys_modules_alone():
+    import sys
+
+    before = {k for k in sys.modules if k == "vllm" or k.startswith("vllm.")}
+    pm.load_patched_module(pm.reference_msa_ops())
+    after = {k for k in sys.modules if k == "vllm" or k.startswith("vllm.")}
+    assert before == after
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("init_blocks", [0, 1])
+def test_patched_forward_matches_reference(heads, init_blocks, monkeypatch):
+    module = pm.load_patched_module(pm.reference_msa_ops())
+    calls = []
+    ref_ops = pm.reference_msa_ops()
+
+    def proxy(*args, **kwargs):
+        calls.append(("proxy", kwargs))
+        return ref_ops.msa_proxy_score(*args, **kwargs)
+
+    def topk(*args, **kwargs):
+        calls.append(("topk", kwargs))
+        return ref_ops.msa_topk_select(*args, **kwargs)
+
+    monkeypatch.setitem(module.__dict__, "msa_proxy_score", proxy)
+    monkeypatch.setitem(module.__dict__, "msa_topk_select", topk)
+    # Three decodes (one under 16 blocks, ragged), then a prefill with context
+    # and one without, all ending mid-page.
+    case = IndexerCase(
+        "cpu_mixed",
+        "mixed",
+        ((1, 300), (1, 2500), (1, 4000), (200, 1100), (150, 150)),
+        heads,
+        init_blocks=init_blocks,
+    )
+    batch = make_batch(case, "cpu", seed=1234)
+    run = patched_run(module, batch)
+    md = run.metadata
+    assert (md.num_decodes, md.num_prefills) == (3, 2)
+    assert md.max_k_tiles == -(-4000 // 128)
+    assert torch.equal(md.num_valid_pages, batch.num_valid_pages)
+    got = run.forward()
+    assert [c[0] for c in calls] == ["proxy", "topk"]
+    proxy_kwargs = calls[0][1]
+    assert proxy_kwargs["causal"] is True and proxy_kwargs["max_seqlen_q"] == 200
+    # The poisoned rows past the batch stay poisoned; the batch's are written.
+    assert (batch.topk_buffer[batch.total_q :] == -7).all()
+    scores = reference_scores(batch)
+    nvp = batch.num_valid_pages
+    fb, fe = min(init_blocks, 16), 1
+    want = reference.topk_select(scores, 16, nvp, force_begin_blocks=fb, force_end_blocks=fe)
+    cmp = reference.compare_selections(got, want, scores)
+    assert cmp.all_values_match, cmp.first_mismatch
+    assert cmp.exact_rate == 1.0
+    assert not reference.check_selection_invariants(
+        got, nvp, topk=16, force_begin_blocks=fb, force_end_blocks=fe
+    )
+    assert not vector_invariants(got, nvp, fb=fb, fe=fe)
+    # The vectorized all-token check the GPU tests use agrees.
+    vc = value_check(got, expected_topk_values(scores, nvp, fb=fb, fe=fe), scores, want_sel=want)
+    assert vc.all_values_match, vc.first_mismatch
+    assert vc.exact_rate == 1.0
+    # A wrong pick is caught by both.
+    bad = got.clone()
+    bad[3, 0, 1] = bad[3, 0, 1] + 1 if bad[3, 0, 2] != bad[3, 0, 1] + 1 else bad[3, 0, 1]
+    if not torch.equal(bad, got):
+        assert not value_check(
+            bad, expected_topk_values(scores, nvp, fb=fb, fe=fe), scores
+        ).all_values_match
+
+
+def test_vector_invariants_catch_poison_and_order():
+    nvp = torch.tensor([3, 20], dtype=torch.int32)
+    sel = torch.full((2, 1, 16), -1, dtype=torch.int32)
+    sel[0, 0, :3] = torch.tensor([0, 1, 2])
+    sel[1, 0] = torch.arange(16)
+    assert any("forced block missing" in p for p in vector_invariants(sel, nvp, fb=0, fe=1))
+    sel[1, 0, 15] = 19
+    assert not vector_invariants(sel, nvp, fb=0, fe=1)
+    sel[0, 0, 5] = -7
+    assert any("unwritten" in p for p in vector_invariants(sel, nvp, fb=0, fe=1))

@@ -1,0 +1,561 @@
+"""The patch's own FlashInfer indexer module, loaded without vLLM.
+
+Patch 0003 adds `vllm/models/minimax_m3/nvidia/indexer_flashinfer.py` to vLLM
+0.34.0. Machines that cannot import vLLM 0.34.0 (the H200 test machine has
+torch 2.11; vLLM 0.34.0 pins torch 2.14) still need to run exactly that file's
+`build()` and `forward()`, so that the GPU tests and the benchmark cannot drift
+from what the patch does. This module
+
+- extracts the added file's source from the patch text (`extract_new_file`),
+- execs it as a module under a small shim that stands in for the vLLM names it
+  imports (`load_patched_module`), with the real `flashinfer.msa_ops` or any
+  stand-in namespace of the two functions,
+- and builds the objects the patched code needs (`make_builder`, `make_impl`,
+  `make_common_metadata`, `forward_context`).
+
+The stand-ins carry the same fields as vLLM 0.34.0's classes
+(`MiniMaxM3IndexerMetadataBuilder.__init__`'s buffers and
+`reorder_batch_threshold`, `MiniMaxM3IndexerMetadata`'s fields,
+`MiniMaxM3IndexerImpl`'s attributes, `CommonAttentionMetadata`'s fields) and
+`split_decodes_and_prefills` is vLLM 0.34.0's own code, copied.
+
+The shim's modules are placed in `sys.modules` only while the patched source is
+executed and restored afterwards, so a real vLLM in the same process is left as
+it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PATCH_PATH = (
+    REPO_ROOT
+    / "patches"
+    / "vllm-0.34.0"
+    / "0003-MiniMax-M3-FlashInfer-MSA-indexer-for-SM90-and-SM120.patch"
+)
+NEW_FILE = "vllm/models/minimax_m3/nvidia/indexer_flashinfer.py"
+MODULE_NAME = "vllm_minimax._patched_indexer_flashinfer"
+
+
+def extract_new_file(patch_text: str, path: str = NEW_FILE) -> str:
+    """Source of the file `path` that the patch creates (its `+` lines)."""
+    lines = patch_text.splitlines()
+    header = f"diff --git a/{path} b/{path}"
+    try:
+        start = lines.index(header)
+    except ValueError as exc:
+        raise ValueError(f"the patch does not touch {path}") from exc
+    i = start + 1
+    saw_new = False
+    while i < len(lines) and not lines[i].startswith("@@"):
+        if lines[i].startswith("new file mode"):
+            saw_new = True
+        i += 1
+    if not saw_new:
+        raise ValueError(f"the patch modifies {path} rather than creating it")
+    out: list[str] = []
+    for line in lines[i + 1 :]:
+        if line.startswith("diff --git ") or line.startswith("-- "):
+            break
+        if line.startswith("@@"):
+            continue
+        if line.startswith("+"):
+            out.append(line[1:])
+        elif line.startswith("\\"):  # "\ No newline at end of file"
+            continue
+        else:
+            raise ValueError(f"unexpected line in a new-file hunk: {line!r}")
+    return "\n".join(out) + "\n"
+
+
+def patched_source(patch_path: Path | str = PATCH_PATH) -> str:
+    return extract_new_file(Path(patch_path).read_text())
+
+
+# ---------------------------------------------------------------------------
+# Stand-ins for the vLLM 0.34.0 names the patched module imports.
+# ---------------------------------------------------------------------------
+class VllmConfig:
+    """Just what the builders read: model_config.hf_config and
+    scheduler_config.max_num_batched_tokens."""
+
+    def __init__(
+        self,
+        *,
+        index_n_heads: int = 4,
+        index_local_blocks: int = 1,
+        index_topk_blocks: int = 16,
+        max_num_batched_tokens: int = 16384,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        text_config = SimpleNamespace(
+            index_n_heads=index_n_heads,
+            index_local_blocks=index_local_blocks,
+            index_topk_blocks=index_topk_blocks,
+        )
+        self.model_config = SimpleNamespace(hf_config=SimpleNamespace(text_config=text_config))
+        self.scheduler_config = SimpleNamespace(max_num_batched_tokens=max_num_batched_tokens)
+        self.num_speculative_tokens = num_speculative_tokens
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """vLLM 0.34.0's fields (v1/attention/backend.py), defaults included."""
+
+    query_start_loc: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_table_tensor: torch.Tensor
+    slot_mapping: torch.Tensor
+    causal: bool | torch.Tensor = True
+    logits_indices_padded: torch.Tensor | None = None
+    num_logits_indices: int | None = None
+    max_logits_per_req: int | None = None
+    encoder_seq_lens: torch.Tensor | None = None
+    encoder_seq_lens_cpu: Any = None
+    dcp_local_seq_lens: torch.Tensor | None = None
+    dcp_local_seq_lens_cpu_upper_bound: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    is_prefilling: torch.Tensor | None = None
+    seq_lens_cpu_upper_bound: torch.Tensor | None = None
+    req_idx: Any = None
+    mm_req_doc_ranges: Any = None
+    rswa_prefix_lens: torch.Tensor | None = None
+    _num_computed_tokens_cache: torch.Tensor | None = None
+    _token_to_req_indices_cache: torch.Tensor | None = None
+
+    def batch_size(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def replace(self, **kwargs) -> CommonAttentionMetadata:
+        return dataclasses.replace(self, **kwargs)
+
+    def compute_num_computed_tokens(self) -> torch.Tensor:
+        if self._num_computed_tokens_cache is None:
+            query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+            self._num_computed_tokens_cache = self.seq_lens - query_lens
+        return self._num_computed_tokens_cache
+
+
+def split_decodes_and_prefills(
+    common_attn_metadata: CommonAttentionMetadata,
+    decode_threshold: int = 1,
+    require_uniform: bool = False,
+    treat_short_extends_as_decodes: bool = True,
+) -> tuple[int, int, int, int]:
+    """vLLM 0.34.0's v1/attention/backends/utils.py function, unchanged."""
+    max_query_len = common_attn_metadata.max_query_len
+    num_reqs = common_attn_metadata.num_reqs
+    num_tokens = common_attn_metadata.num_actual_tokens
+    query_start_loc = common_attn_metadata.query_start_loc_cpu
+
+    if (
+        max_query_len <= decode_threshold
+        and (not require_uniform or decode_threshold <= 1)
+        and treat_short_extends_as_decodes
+    ):
+        return num_reqs, 0, num_tokens, 0
+
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if query_lens[0].item() > decode_threshold:
+        return 0, num_reqs, 0, num_tokens
+
+    if require_uniform:
+        if treat_short_extends_as_decodes and torch.all(
+            (query_lens == query_lens[0]) | (query_lens == 0)
+        ):
+            return num_reqs, 0, num_tokens, 0
+        is_prefill = (query_lens != query_lens[0]) & (query_lens != 0)
+    else:
+        is_prefill = query_lens > decode_threshold
+
+    if not treat_short_extends_as_decodes:
+        assert common_attn_metadata.is_prefilling is not None
+        is_prefill |= common_attn_metadata.is_prefilling
+
+    if not torch.any(is_prefill):
+        return num_reqs, 0, num_tokens, 0
+
+    first_prefill = is_prefill.int().argmax(dim=-1).item()
+    num_decodes = first_prefill
+    num_prefills = num_reqs - num_decodes
+    num_decode_tokens = query_start_loc[first_prefill].item()
+    num_prefill_tokens = num_tokens - num_decode_tokens
+    return (num_decodes, num_prefills, num_decode_tokens, num_prefill_tokens)
+
+
+class AttentionBackend:
+    """Stand-in base class."""
+
+
+class AttentionSpec:
+    """Stand-in (the patched builder only passes it through)."""
+
+
+class MiniMaxM3IndexerBackend(AttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "MINIMAX_M3_SPARSE_INDEXER"
+
+
+class AttentionMetadata:
+    """Stand-in of vLLM's empty metadata base."""
+
+
+@dataclass
+class MiniMaxM3IndexerMetadata(AttentionMetadata):
+    """vLLM 0.34.0's fields."""
+
+    seq_lens: torch.Tensor
+    max_seq_len: int
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    prefill: Any = None
+    decode: Any = None
+
+
+class MiniMaxM3IndexerMetadataBuilder:
+    """Shared setup of vLLM 0.34.0's base builder: index-head count,
+    `reorder_batch_threshold` (1 + num_speculative_tokens), the stable
+    `context_len_buffer` and `num_valid_pages_buffer`."""
+
+    reorder_batch_threshold: int = 1
+
+    def __init__(
+        self,
+        kv_cache_spec: Any,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_names = layer_names
+        self.vllm_config = vllm_config
+        self.device = device
+        text_config = vllm_config.model_config.hf_config.text_config
+        self.num_index_heads = max(1, text_config.index_n_heads)
+        self.reorder_batch_threshold = 1 + getattr(vllm_config, "num_speculative_tokens", 0)
+        self.max_decode_query_len = self.reorder_batch_threshold
+        n = vllm_config.scheduler_config.max_num_batched_tokens
+        self.context_len_buffer = torch.empty(n, dtype=torch.int32, device=device)
+        self.num_valid_pages_buffer = torch.empty(n, dtype=torch.int32, device=device)
+
+
+class MiniMaxM3IndexerImpl(torch.nn.Module):
+    """The attributes vLLM 0.34.0's impl base sets that the patched forward
+    reads; `index_cache` holds `kv_cache` ([num_pages, 128, D]) and `prefix`."""
+
+    indexer_backend_cls: ClassVar[type] = MiniMaxM3IndexerBackend
+
+    def __init__(
+        self,
+        *,
+        kv_cache: torch.Tensor,
+        num_index_heads: int,
+        index_head_dim: int = 128,
+        topk_blocks: int = 16,
+        init_blocks: int = 0,
+        local_blocks: int = 0,
+        topk_indices_buffer: torch.Tensor | None = None,
+        prefix: str = "model.layers.0.self_attn.indexer",
+        num_kv_heads: int | None = None,
+        sparse_block_size: int = 128,
+    ) -> None:
+        super().__init__()
+        self.num_kv_heads = num_kv_heads if num_kv_heads is not None else num_index_heads
+        self.topk_blocks = topk_blocks
+        self.block_size = sparse_block_size
+        self.init_blocks = init_blocks
+        self.local_blocks = local_blocks
+        self.num_index_heads = num_index_heads
+        self.index_head_dim = index_head_dim
+        self.topk_indices_buffer = topk_indices_buffer
+        self.index_cache = SimpleNamespace(kv_cache=kv_cache, prefix=f"{prefix}.index_cache")
+
+
+_FORWARD_CONTEXT = SimpleNamespace(attn_metadata=None)
+
+
+def get_forward_context() -> SimpleNamespace:
+    return _FORWARD_CONTEXT
+
+
+@contextlib.contextmanager
+def forward_context(attn_metadata: Any) -> Iterator[None]:
+    """Sets `get_forward_context().attn_metadata` for the duration."""
+    old = _FORWARD_CONTEXT.attn_metadata
+    _FORWARD_CONTEXT.attn_metadata = attn_metadata
+    try:
+        yield
+    finally:
+        _FORWARD_CONTEXT.attn_metadata = old
+
+
+def set_forward_context(attn_metadata: Any) -> None:
+    """Sets the forward context until changed (for timing loops)."""
+    _FORWARD_CONTEXT.attn_metadata = attn_metadata
+
+
+def _shim_modules(msa_ops: Any) -> dict[str, types.ModuleType]:
+    def mod(name: str, **attrs: Any) -> types.ModuleType:
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        return m
+
+    mods = {
+        "vllm": mod("vllm"),
+        "vllm.config": mod("vllm.config", VllmConfig=VllmConfig),
+        "vllm.forward_context": mod(
+            "vllm.forward_context", get_forward_context=get_forward_context
+        ),
+        "vllm.models": mod("vllm.models"),
+        "vllm.models.minimax_m3": mod("vllm.models.minimax_m3"),
+        "vllm.models.minimax_m3.common": mod("vllm.models.minimax_m3.common"),
+        "vllm.models.minimax_m3.common.indexer": mod(
+            "vllm.models.minimax_m3.common.indexer",
+            MiniMaxM3IndexerBackend=MiniMaxM3IndexerBackend,
+            MiniMaxM3IndexerImpl=MiniMaxM3IndexerImpl,
+            MiniMaxM3IndexerMetadata=MiniMaxM3IndexerMetadata,
+            MiniMaxM3IndexerMetadataBuilder=MiniMaxM3IndexerMetadataBuilder,
+        ),
+        "vllm.v1": mod("vllm.v1"),
+        "vllm.v1.attention": mod("vllm.v1.attention"),
+        "vllm.v1.attention.backend": mod(
+            "vllm.v1.attention.backend",
+            AttentionBackend=AttentionBackend,
+            CommonAttentionMetadata=CommonAttentionMetadata,
+        ),
+        "vllm.v1.attention.backends": mod("vllm.v1.attention.backends"),
+        "vllm.v1.attention.backends.utils": mod(
+            "vllm.v1.attention.backends.utils",
+            split_decodes_and_prefills=split_decodes_and_prefills,
+        ),
+        "vllm.v1.kv_cache_interface": mod(
+            "vllm.v1.kv_cache_interface", AttentionSpec=AttentionSpec
+        ),
+    }
+    if msa_ops is not None:
+        mods["flashinfer"] = mod("flashinfer")
+        mods["flashinfer.msa_ops"] = mod(
+            "flashinfer.msa_ops",
+            msa_proxy_score=msa_ops.msa_proxy_score,
+            msa_topk_select=msa_ops.msa_topk_select,
+        )
+        mods["flashinfer"].msa_ops = mods["flashinfer.msa_ops"]
+    return mods
+
+
+@contextlib.contextmanager
+def temporary_modules(mods: dict[str, types.ModuleType]) -> Iterator[None]:
+    """Put `mods` into `sys.modules` for the duration, then restore."""
+    saved = {name: sys.modules.get(name) for name in mods}
+    sys.modules.update(mods)
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+
+
+def reference_msa_ops() -> SimpleNamespace:
+    """`msa_proxy_score` / `msa_topk_select` with the kernels' signatures,
+    computed by `vllm_minimax.reference` (CPU or GPU, float32)."""
+    from vllm_minimax import reference
+
+    def msa_proxy_score(
+        q,
+        k,
+        cu_seqlens_q,
+        cu_seqlens_k=None,
+        *,
+        page_table,
+        seqused_k,
+        causal=True,
+        max_seqlen_q=None,
+        max_k_tiles=None,
+        output=None,
+        **_: Any,
+    ):
+        assert causal and cu_seqlens_k is None
+        return reference.proxy_score(
+            q,
+            k,
+            cu_seqlens_q,
+            page_table=page_table,
+            seqused_k=seqused_k,
+            max_k_tiles=max_k_tiles,
+        )
+
+    def msa_topk_select(
+        max_score,
+        topk,
+        num_valid_pages=None,
+        output=None,
+        force_begin_blocks=0,
+        force_end_blocks=0,
+    ):
+        assert topk == 16 and force_begin_blocks + force_end_blocks <= topk
+        sel = reference.topk_select(
+            max_score,
+            topk,
+            num_valid_pages,
+            force_begin_blocks=force_begin_blocks,
+            force_end_blocks=force_end_blocks,
+        )
+        if output is None:
+            return sel
+        output.copy_(sel)
+        return output
+
+    return SimpleNamespace(msa_proxy_score=msa_proxy_score, msa_topk_select=msa_topk_select)
+
+
+def load_patched_module(
+    msa_ops: Any = None,
+    *,
+    patch_path: Path | str = PATCH_PATH,
+    name: str = MODULE_NAME,
+) -> types.ModuleType:
+    """Exec the patch's new file as module `name` under the vLLM shim.
+
+    `msa_ops`: None imports the real `flashinfer.msa_ops`; otherwise any object
+    with `msa_proxy_score` and `msa_topk_select` (e.g. `reference_msa_ops()`).
+    The module's globals `msa_proxy_score`/`msa_topk_select` may also be
+    replaced afterwards.
+    """
+    source = patched_source(patch_path)
+    module = types.ModuleType(name)
+    module.__file__ = f"{patch_path}::{NEW_FILE}"
+    with temporary_modules(_shim_modules(msa_ops)):
+        # dataclasses resolve string annotations through sys.modules[__module__].
+        sys.modules[name] = module
+        exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module
+
+
+def real_module_matches_patch() -> bool | None:
+    """None when no patched vLLM is importable; else whether the installed
+    `indexer_flashinfer.py` is byte-identical to the patch's file."""
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("vllm.models.minimax_m3.nvidia.indexer_flashinfer")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).read_text() == patched_source()
+
+
+# ---------------------------------------------------------------------------
+# Constructors of the patched objects.
+# ---------------------------------------------------------------------------
+def make_builder(
+    module: types.ModuleType,
+    *,
+    device: torch.device | str,
+    num_index_heads: int,
+    local_blocks: int = 1,
+    reorder_batch_threshold: int = 1,
+    max_num_batched_tokens: int = 65536,
+):
+    config = VllmConfig(
+        index_n_heads=num_index_heads,
+        index_local_blocks=local_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_speculative_tokens=reorder_batch_threshold - 1,
+    )
+    return module.MiniMaxM3IndexerFlashInferMetadataBuilder(
+        AttentionSpec(), ["layer.0"], config, torch.device(device)
+    )
+
+
+def make_impl(
+    module: types.ModuleType,
+    *,
+    kv_cache: torch.Tensor,
+    num_index_heads: int,
+    topk_indices_buffer: torch.Tensor,
+    init_blocks: int = 1,
+    local_blocks: int = 1,
+    topk_blocks: int = 16,
+):
+    return module.MiniMaxM3IndexerFlashInferImpl(
+        kv_cache=kv_cache,
+        num_index_heads=num_index_heads,
+        index_head_dim=kv_cache.shape[-1],
+        topk_blocks=topk_blocks,
+        init_blocks=init_blocks,
+        local_blocks=local_blocks,
+        topk_indices_buffer=topk_indices_buffer,
+    )
+
+
+def make_common_metadata(
+    *,
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    device: torch.device | str,
+) -> CommonAttentionMetadata:
+    """What vLLM's runner hands the builders for a decode-first batch:
+    query_start_loc (GPU and CPU), seq_lens (KV length including the new
+    tokens), block table, slot mapping and positions."""
+    device = torch.device(device)
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+    positions = torch.cat(
+        [
+            torch.arange(s - q, s, dtype=torch.int64)
+            for q, s in zip(query_lens, seq_lens, strict=True)
+        ]
+    )
+    bt_cpu = block_table.cpu().long()
+    pages = torch.cat(
+        [
+            bt_cpu[r, positions_r // 128]
+            for r, positions_r in enumerate(_split(positions, query_lens))
+        ]
+    )
+    slot_mapping = pages * 128 + positions % 128
+    return CommonAttentionMetadata(
+        query_start_loc=qsl_cpu.to(device),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        num_reqs=len(query_lens),
+        num_actual_tokens=qsl[-1],
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=block_table.to(device),
+        slot_mapping=slot_mapping.to(device),
+        positions=positions.to(device),
+    )
+
+
+def _split(t: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
+    return list(torch.split(t, lens))
