@@ -1,0 +1,352 @@
+"""The patched vLLM's FlashInfer indexer builder and impl, on the CPU.
+
+The builder runs on `CommonAttentionMetadata` batches of every shape the
+scheduler produces. The impl's `forward` runs with FlashInfer's two kernels
+replaced by the float32 reference (behind the same argument checks FlashInfer
+makes), and its output buffer is compared with a selection computed from the
+raw batch, not from the metadata.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+from vllm.models.minimax_m3.common import indexer as indexer_mod
+from vllm.models.minimax_m3.nvidia import indexer_flashinfer as fi_mod
+from vllm.v1.attention.backend import CommonAttentionMetadata
+
+from vllm_minimax import reference
+
+PAGE = 128
+POISON = -7
+MAX_TOKENS = 4096
+
+
+@dataclass
+class Batch:
+    """A scheduled step: per request, tokens already cached and tokens now."""
+
+    context_lens: list[int]
+    query_lens: list[int]
+    metadata: CommonAttentionMetadata
+    positions: list[int]
+    num_pages: int
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [c + q for c, q in zip(self.context_lens, self.query_lens, strict=True)]
+
+
+def make_batch(context_lens: list[int], query_lens: list[int]) -> Batch:
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    max_pages = max(-(-s // PAGE) for s in seq_lens) + 3
+    # A shuffled pool with spare pages: page tables are random and non-contiguous.
+    num_pages = len(seq_lens) * max_pages + 17
+    pages = torch.randperm(num_pages)[: len(seq_lens) * max_pages].view(len(seq_lens), max_pages)
+    query_start = [0]
+    for q in query_lens:
+        query_start.append(query_start[-1] + q)
+    positions = [p for c, q in zip(context_lens, query_lens, strict=True) for p in range(c, c + q)]
+    qsl = torch.tensor(query_start, dtype=torch.int32)
+    metadata = CommonAttentionMetadata(
+        query_start_loc=qsl.clone(),
+        query_start_loc_cpu=qsl,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        num_reqs=len(seq_lens),
+        num_actual_tokens=query_start[-1],
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=pages.to(torch.int32),
+        slot_mapping=torch.zeros(query_start[-1], dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+    )
+    return Batch(context_lens, query_lens, metadata, positions, num_pages)
+
+
+BATCHES = {
+    "decode": ([3000, 5, 127, 128, 40000], [1, 1, 1, 1, 1]),
+    "prefill": ([0, 0], [300, 2049]),
+    "decode+prefill": ([9000, 4096, 0], [1, 1, 700]),
+    "chunked-prefill-on-context": ([1, 4000], [1, 1500]),
+    "mtp-2": ([2500, 129, 6000], [2, 2, 2]),
+    "mtp-4": ([2500, 129, 6000, 70], [4, 4, 4, 4]),
+    "ragged-mid-page": ([0, 255, 1000], [129, 2, 383]),
+}
+DECODE_THRESHOLD = {"mtp-2": 2, "mtp-4": 4}
+
+
+def expected_split(batch: Batch, threshold: int) -> tuple[int, int, int, int]:
+    """Leading requests with the same short query length are decodes."""
+    first = batch.query_lens[0]
+    num_decodes = 0
+    if first <= threshold:
+        while num_decodes < len(batch.query_lens) and batch.query_lens[num_decodes] == first:
+            num_decodes += 1
+    decode_tokens = sum(batch.query_lens[:num_decodes])
+    return (
+        num_decodes,
+        len(batch.query_lens) - num_decodes,
+        decode_tokens,
+        sum(batch.query_lens) - decode_tokens,
+    )
+
+
+@pytest.fixture(autouse=True)
+def single_rank(monkeypatch):
+    monkeypatch.setattr(indexer_mod, "get_tensor_model_parallel_world_size", lambda: 1)
+
+
+def make_builder(index_heads: int = 1, local_blocks: int = 1, threshold: int = 1):
+    text_config = types.SimpleNamespace(index_n_heads=index_heads, index_local_blocks=local_blocks)
+    vllm_config = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(
+            hf_config=types.SimpleNamespace(text_config=text_config)
+        ),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=MAX_TOKENS),
+        speculative_config=None,
+        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1),
+    )
+    builder = fi_mod.MiniMaxM3IndexerFlashInferMetadataBuilder(
+        kv_cache_spec=None, layer_names=["l"], vllm_config=vllm_config, device=torch.device("cpu")
+    )
+    # What _init_reorder_batch_threshold sets from a speculative config with
+    # threshold - 1 speculative tokens.
+    builder.reorder_batch_threshold = threshold
+    return builder
+
+
+@pytest.mark.parametrize("name", BATCHES)
+def test_builder_fields(name):
+    batch = make_batch(*BATCHES[name])
+    threshold = DECODE_THRESHOLD.get(name, 1)
+    builder = make_builder(local_blocks=1, threshold=threshold)
+    builder.num_valid_pages_buffer.fill_(POISON)
+    md = builder.build(0, batch.metadata)
+    assert isinstance(md, fi_mod.MiniMaxM3IndexerFlashInferMetadata)
+
+    num_tokens = sum(batch.query_lens)
+    assert md.num_actual_tokens == num_tokens
+    assert (md.num_decodes, md.num_prefills, md.num_decode_tokens, md.num_prefill_tokens) == (
+        expected_split(batch, threshold)
+    )
+    assert md.prefill is None and md.decode is None
+    assert md.proxy_cu_seqlens_q.dtype == torch.int32
+    assert md.proxy_cu_seqlens_q.tolist() == [0, *torch.tensor(batch.query_lens).cumsum(0).tolist()]
+    assert md.proxy_seqused_k.dtype == torch.int32
+    assert md.proxy_seqused_k.tolist() == batch.seq_lens
+    assert md.proxy_page_table.dtype == torch.int32
+    assert torch.equal(md.proxy_page_table, batch.metadata.block_table_tensor)
+    assert md.proxy_max_seqlen_q == max(batch.query_lens)
+    assert md.max_k_tiles == -(-max(batch.seq_lens) // PAGE)
+    assert md.local_blocks == 1
+    assert md.max_seq_len == max(batch.seq_lens)
+    assert md.num_valid_pages.dtype == torch.int32
+    assert md.num_valid_pages.tolist() == [p // PAGE + 1 for p in batch.positions]
+    # In the builder's shared buffer, and only the step's tokens written.
+    assert md.num_valid_pages.data_ptr() == builder.num_valid_pages_buffer.data_ptr()
+    assert torch.all(builder.num_valid_pages_buffer[num_tokens:] == POISON)
+
+
+def test_builder_takes_the_local_window_from_the_model_config():
+    batch = make_batch(*BATCHES["decode"])
+    assert make_builder(local_blocks=3).build(0, batch.metadata).local_blocks == 3
+
+
+class ReferenceKernels:
+    """msa_proxy_score / msa_topk_select stand-ins: FlashInfer's argument checks,
+    then the float32 reference. Records what the impl passed."""
+
+    def __init__(self) -> None:
+        self.proxy_calls: list[dict] = []
+        self.topk_calls: list[dict] = []
+
+    def msa_proxy_score(self, q, k, cu_seqlens_q, *, page_table, seqused_k, causal,
+                        max_seqlen_q, max_k_tiles):  # fmt: skip
+        assert causal is True
+        assert q.ndim == 3 and q.shape[2] == 128 and k.shape[1:] == (1, PAGE, 128)
+        if q.dtype == torch.float8_e4m3fn:
+            assert k.dtype == torch.float8_e4m3fn, "fp8 q requires fp8 k"
+        for t in (cu_seqlens_q, page_table, seqused_k):
+            assert t.dtype == torch.int32
+        self.proxy_calls.append(
+            dict(q=q, max_seqlen_q=max_seqlen_q, storage=q.untyped_storage().nbytes())
+        )
+        return reference.proxy_score(
+            q, k, cu_seqlens_q, page_table=page_table, seqused_k=seqused_k, max_k_tiles=max_k_tiles
+        )
+
+    def msa_topk_select(self, max_score, topk, *, num_valid_pages, force_begin_blocks,
+                        force_end_blocks, output):  # fmt: skip
+        heads, _, total_q = max_score.shape
+        assert topk == 16 and max_score.dtype == torch.float32 and max_score.is_contiguous()
+        assert num_valid_pages.dtype == torch.int32 and num_valid_pages.shape == (total_q,)
+        assert force_begin_blocks >= 0 and force_end_blocks >= 0
+        assert force_begin_blocks + force_end_blocks <= topk
+        assert output.shape == (total_q, heads, topk) and output.dtype == torch.int32
+        self.topk_calls.append(dict(force_begin=force_begin_blocks, force_end=force_end_blocks))
+        output.copy_(
+            reference.topk_select(
+                max_score,
+                topk,
+                num_valid_pages,
+                force_begin_blocks=force_begin_blocks,
+                force_end_blocks=force_end_blocks,
+            )
+        )
+        return output
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    fake = ReferenceKernels()
+    monkeypatch.setattr(fi_mod, "msa_proxy_score", fake.msa_proxy_score)
+    monkeypatch.setattr(fi_mod, "msa_topk_select", fake.msa_topk_select)
+    return fake
+
+
+def make_impl(*, heads: int, dtype: str, init_blocks: int = 0, local_blocks: int = 1):
+    buffer = torch.full((MAX_TOKENS, heads, 16), POISON, dtype=torch.int32)
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(config):
+        impl = fi_mod.MiniMaxM3IndexerFlashInferImpl(
+            num_kv_heads=heads,
+            scale=128**-0.5,
+            topk_blocks=16,
+            sparse_block_size=128,
+            num_index_heads=heads,
+            index_head_dim=128,
+            prefix="model.layers.1.self_attn.attn",
+            init_blocks=init_blocks,
+            local_blocks=local_blocks,
+            indexer_kv_dtype=dtype,
+            topk_indices_buffer=buffer,
+        )
+    return impl, buffer
+
+
+def run_forward(monkeypatch, impl, md, index_query):
+    context = types.SimpleNamespace(attn_metadata={impl.index_cache.prefix: md})
+    monkeypatch.setattr(fi_mod, "get_forward_context", lambda: context)
+    return impl(index_query)
+
+
+def expected_selection(batch, q, k_pages, heads, force_begin, force_end):
+    """The selection computed from the raw batch, bypassing the metadata."""
+    page_table = batch.metadata.block_table_tensor
+    scores = reference.proxy_score(
+        q.view(-1, heads, 128),
+        k_pages,
+        torch.tensor([0, *torch.tensor(batch.query_lens).cumsum(0).tolist()]),
+        page_table=page_table,
+        seqused_k=torch.tensor(batch.seq_lens),
+        max_k_tiles=-(-max(batch.seq_lens) // PAGE),
+    )
+    pages = torch.tensor([p // PAGE + 1 for p in batch.positions], dtype=torch.int32)
+    return reference.topk_select(
+        scores, 16, pages, force_begin_blocks=force_begin, force_end_blocks=force_end
+    )
+
+
+CASES = [
+    ("decode", 1, "fp8", 0, 1),
+    ("decode", 4, "bf16", 0, 1),
+    ("prefill", 1, "fp8", 0, 1),
+    ("decode+prefill", 2, "fp8", 1, 1),
+    ("chunked-prefill-on-context", 1, "fp8", 2, 2),
+    ("mtp-2", 4, "fp8", 0, 1),
+    ("mtp-4", 1, "bf16", 0, 1),
+    ("ragged-mid-page", 2, "fp8", 1, 0),
+]
+
+
+@pytest.mark.parametrize(("name", "heads", "dtype", "init_blocks", "local_blocks"), CASES)
+def test_forward_writes_the_reference_selection(
+    monkeypatch, kernels, name, heads, dtype, init_blocks, local_blocks
+):
+    torch.manual_seed(hash(name) % 1000)
+    batch = make_batch(*BATCHES[name])
+    num_tokens = sum(batch.query_lens)
+    impl, buffer = make_impl(
+        heads=heads, dtype=dtype, init_blocks=init_blocks, local_blocks=local_blocks
+    )
+    cache_dtype = torch.float8_e4m3fn if dtype == "fp8" else torch.bfloat16
+    assert impl.index_cache.dtype == cache_dtype
+    impl.index_cache.bind_kv_cache(torch.randn(batch.num_pages, 1, PAGE, 128).to(cache_dtype))
+    # The model's index query may carry padding rows past the step's tokens.
+    index_query = torch.randn(num_tokens + 5, heads * 128).to(cache_dtype)
+    md = make_builder(
+        index_heads=heads, local_blocks=local_blocks, threshold=DECODE_THRESHOLD.get(name, 1)
+    ).build(0, batch.metadata)
+
+    assert run_forward(monkeypatch, impl, md, index_query) == (None, None)
+
+    k_pages = impl.index_cache.kv_cache.view(-1, 1, PAGE, 128)
+    want = expected_selection(
+        batch, index_query[:num_tokens], k_pages, heads, init_blocks, local_blocks
+    )
+    assert torch.equal(buffer[:num_tokens], want)
+    assert torch.all(buffer[num_tokens:] == POISON), "rows past num_tokens were written"
+    (proxy,) = kernels.proxy_calls
+    assert proxy["q"].dtype == cache_dtype, "the index query must reach the kernel as is"
+    assert kernels.topk_calls == [dict(force_begin=init_blocks, force_end=local_blocks)]
+    problems = reference.check_selection_invariants(
+        buffer[:num_tokens],
+        md.num_valid_pages,
+        topk=16,
+        force_begin_blocks=init_blocks,
+        force_end_blocks=local_blocks,
+    )
+    assert problems == []
+
+
+def test_prefill_query_gets_overread_slack_and_decode_is_not_copied(monkeypatch, kernels):
+    impl, _ = make_impl(heads=1, dtype="fp8")
+    prefill = make_batch(*BATCHES["decode+prefill"])
+    decode = make_batch(*BATCHES["decode"])
+    pages = max(prefill.num_pages, decode.num_pages)
+    impl.index_cache.bind_kv_cache(torch.randn(pages, 1, PAGE, 128).to(torch.float8_e4m3fn))
+    rows = sum(prefill.query_lens)
+    index_query = torch.randn(rows, 128).to(torch.float8_e4m3fn)
+    run_forward(monkeypatch, impl, make_builder().build(0, prefill.metadata), index_query)
+    call = kernels.proxy_calls[-1]
+    assert call["storage"] >= (rows + 127) * 128, "prefill q has no room for the over-read"
+    assert torch.equal(call["q"].view(torch.uint8).view(rows, 128), index_query.view(torch.uint8))
+
+    index_query = torch.randn(sum(decode.query_lens), 128).to(torch.float8_e4m3fn)
+    run_forward(monkeypatch, impl, make_builder().build(0, decode.metadata), index_query)
+    assert kernels.proxy_calls[-1]["q"].data_ptr() == index_query.data_ptr()
+
+
+def test_short_contexts_force_clamped_regions(monkeypatch, kernels):
+    """init + local blocks larger than a context: no raise, every page selected."""
+    impl, buffer = make_impl(heads=1, dtype="fp8", init_blocks=20, local_blocks=4)
+    batch = make_batch([100, 600], [1, 1])
+    impl.index_cache.bind_kv_cache(
+        torch.randn(batch.num_pages, 1, PAGE, 128).to(torch.float8_e4m3fn)
+    )
+    md = make_builder(local_blocks=4).build(0, batch.metadata)
+    run_forward(monkeypatch, impl, md, torch.randn(2, 128).to(torch.float8_e4m3fn))
+    assert kernels.topk_calls == [dict(force_begin=5, force_end=4)]  # max_k_tiles == 5
+    assert buffer[0, 0].tolist() == [0] + [-1] * 15
+    assert buffer[1, 0].tolist() == [0, 1, 2, 3, 4] + [-1] * 11
+
+
+def test_profiling_run_returns_early_and_writes_nothing(monkeypatch, kernels):
+    impl, buffer = make_impl(heads=1, dtype="fp8")
+    monkeypatch.setattr(
+        fi_mod, "get_forward_context", lambda: types.SimpleNamespace(attn_metadata=None)
+    )
+    assert impl(torch.randn(8, 128).to(torch.float8_e4m3fn)) == (None, None)
+    assert kernels.proxy_calls == [] and kernels.topk_calls == []
+    assert torch.all(buffer == POISON)
+
+
+def test_backend_reports_the_flashinfer_builder():
+    impl, _ = make_impl(heads=1, dtype="fp8")
+    backend = impl.index_cache.get_attn_backend()
+    assert backend is fi_mod.MiniMaxM3IndexerFlashInferBackend
+    assert backend.get_builder_cls() is fi_mod.MiniMaxM3IndexerFlashInferMetadataBuilder
