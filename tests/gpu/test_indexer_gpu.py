@@ -1,0 +1,157 @@
+"""The patch's FlashInfer indexer (its real build() + forward(), through
+`vllm_minimax.patched_module`, with FlashInfer 0.7.4's kernels) against the
+float32 reference, and against vLLM 0.34.0's Triton indexer, over the issue's
+matrix (`vllm_minimax.indexer_cases.cases_for_tests`).
+
+Fresh random inputs every run (the seed is printed and written to the report);
+the top-k buffer is poisoned (-7) before each kernel writes it. Checked on every
+token: invariants and the selected blocks' reference scores (vectorized). The
+per-token loops of `vllm_minimax.reference` (`topk_select`,
+`compare_selections`, `check_selection_invariants`) run on a subsample of at
+most 192 tokens per case (all tokens where the case has fewer), which is where
+the exact-set rate comes from. Reference scores are float32 torch on the GPU.
+
+Set VLLM_MINIMAX_GPU_REPORT=path to append one TSV line per case.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from vllm_minimax import reference
+from vllm_minimax.indexer_cases import (
+    TOPK,
+    cases_for_tests,
+    expected_topk_values,
+    forced_counts,
+    make_batch,
+    normalize_selection,
+    patched_run,
+    reference_scores,
+    reference_subsample,
+    selection_values,
+    value_check,
+    vector_invariants,
+)
+
+CASES = cases_for_tests()
+
+
+@pytest.fixture(scope="module")
+def fi_module():
+    from vllm_minimax.patched_module import load_patched_module
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return load_patched_module()
+
+
+@pytest.fixture(scope="module")
+def triton_ops():
+    from vllm_minimax.triton_indexer import load_index_topk
+
+    try:
+        return load_index_topk()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+def _report(*fields) -> None:
+    path = os.environ.get("VLLM_MINIMAX_GPU_REPORT")
+    line = "\t".join(str(f) for f in fields)
+    print(line)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def _check_against_reference(got, batch, scores, fb, fe, label):
+    nvp = batch.num_valid_pages
+    problems = vector_invariants(got, nvp, fb=fb, fe=fe)
+    sub = reference_subsample(batch)
+    sub_dev = sub.to(got.device)
+    ref_sel = reference.topk_select(
+        scores[:, :, sub_dev], TOPK, nvp[sub_dev], force_begin_blocks=fb, force_end_blocks=fe
+    )
+    cmp = reference.compare_selections(got[sub_dev], ref_sel, scores[:, :, sub_dev])
+    problems += reference.check_selection_invariants(
+        got[sub_dev], nvp[sub_dev], topk=TOPK, force_begin_blocks=fb, force_end_blocks=fe
+    )[:5]
+    vc = value_check(got, expected_topk_values(scores, nvp, fb=fb, fe=fe), scores)
+    assert not problems, f"{label}: " + "\n".join(problems[:10])
+    assert cmp.all_values_match, f"{label} vs reference (subsample): {cmp.first_mismatch}"
+    assert vc.all_values_match, f"{label} vs reference (all tokens): {vc.first_mismatch}"
+    return cmp, vc, len(sub)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_flashinfer_patched_forward_matches_reference(case, fi_module):
+    batch = make_batch(case, "cuda")
+    run = patched_run(fi_module, batch)
+    got = run.forward().clone()
+    torch.cuda.synchronize()
+    assert (batch.topk_buffer[batch.total_q :] == -7).all(), "wrote past num_tokens"
+    scores = reference_scores(batch)
+    fb, fe = forced_counts(case, run.metadata.max_k_tiles)
+    cmp, vc, n_sub = _check_against_reference(got, batch, scores, fb, fe, "flashinfer")
+    _report(
+        "flashinfer",
+        case.name,
+        f"seed={batch.seed}",
+        f"tokens={batch.total_q}",
+        f"value_rows={vc.value_rows}/{vc.rows}",
+        f"ref_subsample={n_sub}",
+        f"exact_rate={cmp.exact_rate:.4f}",
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_triton_agrees_with_flashinfer(case, fi_module, triton_ops):
+    from vllm_minimax.triton_indexer import triton_build, triton_forward
+
+    batch = make_batch(case, "cuda")
+    run = patched_run(fi_module, batch)
+    fi = run.forward().clone()
+    batch.poison()
+    md = triton_build(batch.common, reorder_batch_threshold=case.reorder_batch_threshold)
+    triton_forward(
+        triton_ops,
+        md,
+        batch.index_query,
+        batch.kv_cache,
+        batch.topk_buffer,
+        num_index_heads=case.heads,
+        init_blocks=case.init_blocks,
+        local_blocks=case.local_blocks,
+    )
+    tri = normalize_selection(batch.topk_buffer[: batch.total_q])
+    torch.cuda.synchronize()
+    scores = reference_scores(batch)
+    fb, fe = forced_counts(case, run.metadata.max_k_tiles)
+    _, tvc, _ = _check_against_reference(tri, batch, scores, fb, fe, "triton")
+    agree = value_check(fi, selection_values(tri, scores), scores, want_sel=tri)
+    _report(
+        "fi_vs_triton",
+        case.name,
+        f"seed={batch.seed}",
+        f"tokens={batch.total_q}",
+        f"value_rows={agree.value_rows}/{agree.rows}",
+        f"exact_rate={agree.exact_rate:.4f}",
+        f"triton_value_rows={tvc.value_rows}/{tvc.rows}",
+    )
+    assert agree.all_values_match, f"FlashInfer vs Triton: {agree.first_mismatch}"
+
+
+def test_bf16_prefill_is_refused_on_sm90(fi_module):
+    """FINDINGS: SM90's prefill proxy score needs an fp8 index cache, so the
+    hardware gating must keep bf16 + prefill off this impl on Hopper."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("SM90 only")
+    from vllm_minimax.indexer_cases import IndexerCase
+
+    case = IndexerCase("prefill_bf16", "prefill", ((600, 600),), 1, "bf16")
+    run = patched_run(fi_module, make_batch(case, "cuda"))
+    with pytest.raises(NotImplementedError, match="fp8"):
+        run.forward()
