@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from vllm_minimax import patchset
 
 
@@ -51,3 +53,9 @@ def _build_patched_tree() -> Path:
 
 PATCHED_VLLM_ROOT = _build_patched_tree()
 sys.path.insert(0, str(PATCHED_VLLM_ROOT))
+
+
+@pytest.fixture
+def patched_vllm_root() -> Path:
+    """The temporary vLLM tree these tests import, with the series applied."""
+    return PATCHED_VLLM_ROOT
