@@ -9,7 +9,7 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
+from patchset_helpers import REPO_ROOT
 
 from vllm_minimax import cli
 from vllm_minimax.cli import main

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import REAL_PATCHES_ROOT, REAL_SERIES_DIR, git_run
+from patchset_helpers import REAL_PATCHES_ROOT, REAL_SERIES_DIR, git_run
 
 from vllm_minimax import devtree
 from vllm_minimax.patchset import PatchError, parse_series_file

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import (
+from patchset_helpers import (
     REAL_SERIES_DIR,
     REPO_ROOT,
     SyntheticSeries,
