@@ -693,8 +693,13 @@ class SeriesState:
 
     @property
     def clean(self) -> bool:
-        """True when the series is applied and every touched file is as the series left it."""
-        return self.applied and all(state == "as-applied" for _, state in self.files)
+        """True when this version's current series is applied and every touched file is as the
+        series left it."""
+        return (
+            self.applied
+            and self.problem is None
+            and all(state == "as-applied" for _, state in self.files)
+        )
 
 
 def series_state(target: Path | None = None, patches_dir: Path | None = None) -> SeriesState:
@@ -711,7 +716,17 @@ def series_state(target: Path | None = None, patches_dir: Path | None = None) ->
     state = load_state(root)
     if state is not None:
         files = [(record.path, recorded_file_state(root, record)) for record in state.files]
-        return SeriesState(root, version, series_dir, True, files, recorded_series=state.series)
+        problem = None
+        if series_dir is None or state.series != series_dir.name:
+            problem = f"the applied series {state.series} is not the series for vLLM {version}"
+        elif [(p.name, p.sha256) for p in read_series(series_dir)] != state.patches:
+            problem = (
+                f"{series_dir} has changed since it was applied; run `vllm-minimax revert`"
+                " and `vllm-minimax apply` to pick up the new revision"
+            )
+        return SeriesState(
+            root, version, series_dir, True, files, recorded_series=state.series, problem=problem
+        )
     if series_dir is None:
         supported = ", ".join(supported_versions(patches_dir)) or "none"
         problem = f"no patch series for vLLM {version}; supported: {supported}"

@@ -434,6 +434,11 @@ def test_changed_series_revision_asks_for_revert(
     code, _, err = run_cli(capsys, "apply", "--target", str(series.target))
     assert_clean_failure(code, err, "different revision", "revert")
     assert tree_manifest(series.target) == before
+    state = series_state(series.target)
+    assert state.applied and not state.clean
+    assert state.problem is not None and "has changed since it was applied" in state.problem
+    code, out, _ = run_cli(capsys, "status", "--target", str(series.target))
+    assert "has changed since it was applied" in out
 
 
 def test_series_outside_vllm_package_is_rejected(
