@@ -302,6 +302,11 @@ def export(directory: Path, patches_dir: Path | None = None) -> Export:
             + dirty.rstrip()
         )
     root = patches_root() if patches_dir is None else Path(patches_dir)
+    if root.resolve() == (Path(__file__).resolve().parent / "_patches"):
+        raise PatchError(
+            f"{root} is the copy of the series inside an installed vllm-minimax; export into"
+            " the repository instead (run from an editable install, or set VLLM_MINIMAX_PATCHES)"
+        )
     series_dir = root / f"vllm-{version}"
     tag = pristine_tag(version)
     with tempfile.TemporaryDirectory(prefix="vllm-minimax-export-") as tmp:
