@@ -93,6 +93,26 @@ def loop_ms(fn, n=100) -> float:
     return (time.perf_counter() - t0) / n * 1e3
 
 
+def graph_ms(fn) -> float | None:
+    """do_bench median of a CUDA-graph replay of fn: its GPU time with almost
+    no host cost (None where capture fails)."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        torch.cuda.synchronize()
+        return bench(g.replay)
+    except Exception as exc:
+        print(f"graph capture failed: {exc!r}")
+        return None
+
+
 def copy_bandwidth_gbps(nbytes=2 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     src.random_()
@@ -210,6 +230,12 @@ def run_case(case, module, ops, copy_gbps, check=True):
     row["triton_bandwidth_gbps"] = batch.index_k_bytes / row["triton_ms"] / 1e6
     row["copy_gbps"] = copy_gbps
     row["bandwidth_frac_of_copy"] = row["bandwidth_gbps"] / copy_gbps
+    row["flashinfer_graph_ms"] = graph_ms(fi)
+    row["flashinfer_kernels_graph_ms"] = graph_ms(kern)
+    row["triton_graph_ms"] = graph_ms(tri)
+    if row["flashinfer_kernels_graph_ms"] and row["triton_graph_ms"]:
+        row["graph_speedup"] = row["triton_graph_ms"] / row["flashinfer_kernels_graph_ms"]
+        row["graph_bandwidth_gbps"] = batch.index_k_bytes / row["flashinfer_kernels_graph_ms"] / 1e6
     row["host_us_forward"] = host_us(fi)
     row["host_us_kernels"] = host_us(kern)
     row["host_us_build"] = host_us(run.rebuild)
@@ -278,6 +304,10 @@ COLUMNS = (
     ("speedup", "{:.2f}x"),
     ("bandwidth_gbps", "{:.0f}"),
     ("bandwidth_frac_of_copy", "{:.0%}"),
+    ("flashinfer_kernels_graph_ms", "{:.4f}"),
+    ("triton_graph_ms", "{:.4f}"),
+    ("graph_speedup", "{:.2f}x"),
+    ("graph_bandwidth_gbps", "{:.0f}"),
     ("value_match", "{}"),
     ("triton_value_match", "{}"),
     ("flashinfer_first_call_ms", "{:.0f}"),
@@ -297,6 +327,10 @@ HEAD = (
     "speed-up",
     "index-K GB/s",
     "of copy",
+    "FI kernels graph ms",
+    "Triton graph ms",
+    "graph speed-up",
+    "graph index-K GB/s",
     "FI value match",
     "Triton value match",
     "FI 1st call ms",
@@ -326,7 +360,8 @@ def markdown(rows, meta) -> str:
         "'bare 2 kernels' the same two calls with the same arguments prepared beforehand. "
         "index-K GB/s = index-K bytes of every request's pages / FlashInfer forward time. "
         "Host us: median host time to issue one call; eager loop: wall time per call of 100 "
-        "back-to-back calls.",
+        "back-to-back calls. 'graph' columns: the same calls captured in one CUDA graph and "
+        "replayed (GPU time without host cost; speed-up and GB/s there use the bare kernels).",
         "",
         "| " + " | ".join(HEAD) + " |",
         "|" + "---|" * len(HEAD),
@@ -380,18 +415,19 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     out = args.out or REPO / "results" / gpu_slug()
     out.mkdir(parents=True, exist_ok=True)
+    # Checked before flashinfer is imported (importing it creates the folder).
+    base = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", Path.home()))
+    jit_dir = base / ".cache" / "flashinfer"
+    jit_cache_existed = jit_dir.is_dir() and any(jit_dir.rglob("*.o"))
     import flashinfer
 
-    jit_dir = (
-        Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", Path.home())) / ".cache" / "flashinfer"
-    )
     meta = {
         "device": torch.cuda.get_device_name(),
         "capability": ".".join(map(str, torch.cuda.get_device_capability())),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "flashinfer": flashinfer.__version__,
-        "jit_cache_existed": jit_dir.exists(),
+        "jit_cache_existed": jit_cache_existed,
         "command": args.command or "python " + " ".join(sys.argv),
         "installed_vllm_module_matches_patch": pm.real_module_matches_patch(),
     }
