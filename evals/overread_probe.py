@@ -70,6 +70,6 @@ if "--control" in sys.argv:
     k = cupy.RawKernel(
         r'extern "C" __global__ void rd(const float* p, float* o, int n) { o[0] = p[n]; }', "rd"
     )
-    k((1,), (1,), (t.data_ptr(), out.data_ptr(), cupy.int32(1024 + 64)))
+    k((1,), (1,), (cupy.asarray(t), cupy.asarray(out), cupy.int32(1024 + 64)))
     torch.cuda.synchronize()
     print("control ran")
