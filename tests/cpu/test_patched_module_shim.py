@@ -69,9 +69,11 @@ def test_patched_forward_matches_reference(heads, init_blocks, monkeypatch):
     assert md.max_k_tiles == -(-4000 // 128)
     assert torch.equal(md.num_valid_pages, batch.num_valid_pages)
     got = run.forward()
-    assert [c[0] for c in calls] == ["proxy", "topk"]
-    proxy_kwargs = calls[0][1]
-    assert proxy_kwargs["causal"] is True and proxy_kwargs["max_seqlen_q"] == 200
+    # A mixed batch runs one pair for the decode rows and one for the prefill rows.
+    assert [c[0] for c in calls] == ["proxy", "topk", "proxy", "topk"]
+    decode_kwargs, prefill_kwargs = calls[0][1], calls[2][1]
+    assert decode_kwargs["causal"] is True and decode_kwargs["max_seqlen_q"] == 1
+    assert prefill_kwargs["causal"] is True and prefill_kwargs["max_seqlen_q"] == 200
     # The poisoned rows past the batch stay poisoned; the batch's are written.
     assert (batch.topk_buffer[batch.total_q :] == -7).all()
     scores = reference_scores(batch)

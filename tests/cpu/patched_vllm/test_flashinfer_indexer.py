@@ -149,6 +149,37 @@ def test_builder_fields(name):
     # In the builder's shared buffer, and only the step's tokens written.
     assert md.num_valid_pages.data_ptr() == builder.num_valid_pages_buffer.data_ptr()
     assert torch.all(builder.num_valid_pages_buffer[num_tokens:] == POISON)
+    check_calls(md, batch, expected_split(batch, threshold))
+
+
+def check_calls(md, batch, split) -> None:
+    """One pair over a pure batch; a decode pair and a prefill pair over a mixed
+    one, each covering whole requests with their own rebased inputs."""
+    num_decodes, num_prefills, decode_tokens, _ = split
+    num_tokens = sum(batch.query_lens)
+    if num_decodes and num_prefills:
+        sides = [(0, num_decodes, False), (num_decodes, len(batch.query_lens), True)]
+    else:
+        sides = [(0, len(batch.query_lens), num_prefills > 0)]
+    assert len(md.calls) == len(sides)
+    token_start = 0
+    for call, (first, last, is_prefill) in zip(md.calls, sides, strict=True):
+        query_lens = batch.query_lens[first:last]
+        token_end = token_start + sum(query_lens)
+        assert (call.token_start, call.token_end) == (token_start, token_end)
+        assert call.is_prefill == is_prefill
+        assert call.cu_seqlens_q.dtype == torch.int32
+        assert call.cu_seqlens_q.tolist() == [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+        assert call.seqused_k.tolist() == batch.seq_lens[first:last]
+        assert torch.equal(call.page_table, batch.metadata.block_table_tensor[first:last])
+        assert call.max_seqlen_q == max(query_lens)
+        assert call.num_valid_pages.tolist() == [
+            p // PAGE + 1 for p in batch.positions[token_start:token_end]
+        ]
+        token_start = token_end
+    assert token_start == num_tokens
+    if num_decodes and num_prefills:
+        assert md.calls[0].token_end == decode_tokens
 
 
 def test_builder_takes_the_local_window_from_the_model_config():
@@ -173,7 +204,12 @@ class ReferenceKernels:
         for t in (cu_seqlens_q, page_table, seqused_k):
             assert t.dtype == torch.int32
         self.proxy_calls.append(
-            dict(q=q, max_seqlen_q=max_seqlen_q, storage=q.untyped_storage().nbytes())
+            dict(
+                q=q,
+                max_seqlen_q=max_seqlen_q,
+                max_k_tiles=max_k_tiles,
+                storage=q.untyped_storage().nbytes(),
+            )
         )
         return reference.proxy_score(
             q, k, cu_seqlens_q, page_table=page_table, seqused_k=seqused_k, max_k_tiles=max_k_tiles
@@ -290,9 +326,17 @@ def test_forward_writes_the_reference_selection(
     )
     assert torch.equal(buffer[:num_tokens], want)
     assert torch.all(buffer[num_tokens:] == POISON), "rows past num_tokens were written"
-    (proxy,) = kernels.proxy_calls
-    assert proxy["q"].dtype == cache_dtype, "the index query must reach the kernel as is"
-    assert kernels.topk_calls == [dict(force_begin=init_blocks, force_end=local_blocks)]
+    num_decodes, num_prefills, _, _ = expected_split(batch, DECODE_THRESHOLD.get(name, 1))
+    pairs = 2 if num_decodes and num_prefills else 1
+    assert len(kernels.proxy_calls) == pairs
+    for proxy, call in zip(kernels.proxy_calls, md.calls, strict=True):
+        assert proxy["q"].dtype == cache_dtype, "the index query must reach the kernel as is"
+        assert proxy["max_seqlen_q"] == call.max_seqlen_q
+        assert proxy["max_k_tiles"] == md.max_k_tiles
+    if pairs == 2:
+        # The decode rows stay in FlashInfer's decode regime (max_seqlen_q <= 4).
+        assert kernels.proxy_calls[0]["max_seqlen_q"] <= 4
+    assert kernels.topk_calls == [dict(force_begin=init_blocks, force_end=local_blocks)] * pairs
     problems = reference.check_selection_invariants(
         buffer[:num_tokens],
         md.num_valid_pages,
@@ -312,9 +356,15 @@ def test_prefill_query_gets_overread_slack_and_decode_is_not_copied(monkeypatch,
     rows = sum(prefill.query_lens)
     index_query = torch.randn(rows, 128).to(torch.float8_e4m3fn)
     run_forward(monkeypatch, impl, make_builder().build(0, prefill.metadata), index_query)
-    call = kernels.proxy_calls[-1]
-    assert call["storage"] >= (rows + 127) * 128, "prefill q has no room for the over-read"
-    assert torch.equal(call["q"].view(torch.uint8).view(rows, 128), index_query.view(torch.uint8))
+    decode_side, prefill_side = kernels.proxy_calls
+    decode_rows = decode_side["q"].shape[0]
+    assert decode_side["q"].data_ptr() == index_query.data_ptr(), "decode rows were copied"
+    prefill_rows = rows - decode_rows
+    assert prefill_side["storage"] >= (prefill_rows + 127) * 128, "no room for the over-read"
+    assert torch.equal(
+        prefill_side["q"].view(torch.uint8).view(prefill_rows, 128),
+        index_query[decode_rows:].view(torch.uint8),
+    )
 
     index_query = torch.randn(sum(decode.query_lens), 128).to(torch.float8_e4m3fn)
     run_forward(monkeypatch, impl, make_builder().build(0, decode.metadata), index_query)
