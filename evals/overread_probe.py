@@ -3,13 +3,14 @@
 Run under compute-sanitizer with the caching allocator off, so that q is its own
 cudaMalloc ending exactly at its last row:
 
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
-        python evals/overread_probe.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no \
+        python evals/overread_probe.py --control
 
 Covers the uniform-batch (Cake) and padded-batch (CuTe) prefill routes, 1 and 4
 heads, and ragged ends. The patch keeps 127 rows of slack behind prefill q
 (`_with_overread_slack`) because 0.7.3 could over-read; no memcheck error here
-means 0.7.4 does not on these shapes.
+means 0.7.4 does not on these shapes. `--control` adds a planted read past a
+tensor's end last, which memcheck must report (it proves the probe can see one).
 """
 
 from __future__ import annotations
