@@ -130,38 +130,71 @@ def gpu_slug() -> str:
 
 
 def kernel_calls(run):
-    """The two FlashInfer calls with exactly the arguments the patched forward
-    passes (q after its prefill slack step), for the overhead comparison."""
+    """The FlashInfer calls with exactly the arguments the patched forward
+    passes (q after its prefill slack step), prepared beforehand, for the
+    overhead comparison. Follows the patch's `md.calls` (one pair per side of
+    a mixed batch) where its metadata has them, else its single pair."""
     mod, md, impl, batch = run.module, run.metadata, run.impl, run.batch
-    q = batch.index_query[: md.num_actual_tokens].view(-1, impl.num_index_heads, 128)
-    if md.num_prefills > 0:
-        q = mod._with_overread_slack(q)
+    H = impl.num_index_heads
+    q_all = batch.index_query[: md.num_actual_tokens].view(-1, H, 128)
     kv = impl.index_cache.kv_cache
     k_pages = kv.view(kv.shape[0], 1, 128, impl.index_head_dim)
-    out = impl.topk_indices_buffer[: md.num_actual_tokens]
+    buf = impl.topk_indices_buffer
     fb = min(impl.init_blocks, md.max_k_tiles, impl.topk_blocks)
     fe = min(md.local_blocks, impl.topk_blocks - fb)
     proxy, topk = mod.msa_proxy_score, mod.msa_topk_select
+    pairs = []
+    calls = getattr(md, "calls", None)
+    if calls:
+        for c in calls:
+            q = q_all[c.token_start : c.token_end]
+            if c.is_prefill:
+                q = mod._with_overread_slack(q)
+            pairs.append(
+                (
+                    q,
+                    c.cu_seqlens_q,
+                    c.page_table,
+                    c.seqused_k,
+                    c.max_seqlen_q,
+                    c.num_valid_pages,
+                    buf[c.token_start : c.token_end],
+                )
+            )
+    else:
+        q = mod._with_overread_slack(q_all) if md.num_prefills > 0 else q_all
+        pairs.append(
+            (
+                q,
+                md.proxy_cu_seqlens_q,
+                md.proxy_page_table,
+                md.proxy_seqused_k,
+                md.proxy_max_seqlen_q,
+                md.num_valid_pages,
+                buf[: md.num_actual_tokens],
+            )
+        )
 
     def call():
-        s = proxy(
-            q,
-            k_pages,
-            md.proxy_cu_seqlens_q,
-            page_table=md.proxy_page_table,
-            seqused_k=md.proxy_seqused_k,
-            causal=True,
-            max_seqlen_q=md.proxy_max_seqlen_q,
-            max_k_tiles=md.max_k_tiles,
-        )
-        topk(
-            s,
-            impl.topk_blocks,
-            num_valid_pages=md.num_valid_pages,
-            force_begin_blocks=fb,
-            force_end_blocks=fe,
-            output=out,
-        )
+        for q, cu, pt, sk, msq, nvp, out in pairs:
+            s = proxy(
+                q,
+                k_pages,
+                cu,
+                page_table=pt,
+                seqused_k=sk,
+                causal=True,
+                max_seqlen_q=msq,
+                max_k_tiles=md.max_k_tiles,
+            )
+            topk(
+                s,
+                impl.topk_blocks,
+                num_valid_pages=nvp,
+                force_begin_blocks=fb,
+                force_end_blocks=fe,
+                output=out,
+            )
 
     return call
 
