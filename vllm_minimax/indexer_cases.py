@@ -21,6 +21,7 @@ import torch
 
 from vllm_minimax import reference
 from vllm_minimax.patched_module import make_common_metadata
+from vllm_minimax.reference import SelectionComparison
 
 PAGE = 128
 TOPK = 16
@@ -387,22 +388,6 @@ def selection_values(sel: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return g.sort(-1, descending=True).values
 
 
-@dataclass
-class ValueCheck:
-    rows: int
-    value_rows: int
-    exact_rows: int
-    first_mismatch: str | None
-
-    @property
-    def all_values_match(self) -> bool:
-        return self.rows == self.value_rows
-
-    @property
-    def exact_rate(self) -> float:
-        return self.exact_rows / self.rows if self.rows else 1.0
-
-
 def value_check(
     got: torch.Tensor,
     want_values: torch.Tensor,
@@ -411,7 +396,7 @@ def value_check(
     want_sel: torch.Tensor | None = None,
     atol: float = 1e-3,
     rtol: float = 1e-3,
-) -> ValueCheck:
+) -> SelectionComparison:
     """Tie-tolerant, all rows: the selected blocks' reference scores equal
     `want_values` (a multiset, as `reference.compare_selections` does)."""
     gv = selection_values(got, scores)
@@ -425,7 +410,9 @@ def value_check(
     if bad.numel():
         t, h = bad[0].tolist()
         first = f"token {t} head {h}: got {got[t, h].tolist()} scores {gv[t, h].tolist()} want {want_values[t, h].tolist()}"  # noqa: E501
-    return ValueCheck(ok.numel(), int(ok.sum()), int(exact.sum()), first)
+    return SelectionComparison(
+        rows=ok.numel(), exact_rows=int(exact.sum()), value_rows=int(ok.sum()), first_mismatch=first
+    )
 
 
 def reference_subsample(batch: Batch, limit: int = 192) -> torch.Tensor:
