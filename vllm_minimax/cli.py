@@ -1,4 +1,4 @@
-"""Command line: ``vllm-minimax {apply,revert,status,doctor,dev}``."""
+"""Command line: ``vllm-minimax {apply,revert,status,doctor,dev,make-tiny-model}``."""
 
 from __future__ import annotations
 
@@ -77,6 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export_parser.add_argument("directory", type=Path, metavar="DIR")
     export_parser.set_defaults(handler=run_dev_export)
+
+    tiny_parser = commands.add_parser(
+        "make-tiny-model",
+        help="write a random-weight tiny MiniMax M3 checkpoint (real indexer geometry) to DIR",
+    )
+    tiny_parser.add_argument("directory", type=Path, metavar="DIR")
+    tiny_parser.add_argument(
+        "--seed", type=int, default=0, help="seed for the random weights (default: 0)"
+    )
+    tiny_parser.set_defaults(handler=run_make_tiny_model)
     return parser
 
 
@@ -130,6 +140,17 @@ def run_dev_export(args: argparse.Namespace) -> int:
     print(f"wrote {len(exported.patch_files)} patch(es) and series to {exported.series_dir}")
     for path in exported.patch_files:
         print(f"  {path.name}")
+    return 0
+
+
+def run_make_tiny_model(args: argparse.Namespace) -> int:
+    from vllm_minimax import tiny_model
+
+    made = tiny_model.make_tiny_model(args.directory, seed=args.seed)
+    print(
+        f"wrote a tiny MiniMax M3 ({tiny_model.ARCHITECTURE}, {made['parameters']:,} parameters"
+        f" in {made['tensors']} tensors) to {made['directory']}"
+    )
     return 0
 
 

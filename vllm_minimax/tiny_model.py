@@ -1,0 +1,205 @@
+"""``vllm-minimax make-tiny-model DIR``: a random-weight MiniMax M3 for smoke tests.
+
+The checkpoint is text-only MiniMax M3 in the layout vLLM 0.34.0 loads:
+
+- ``config.json``: ``model_type`` ``minimax_m3_vl_text`` (transformers'
+  ``MiniMaxM3VLTextConfig``, which vLLM's ``get_config`` reaches through
+  ``AutoConfig``; vLLM uses it as the text config as is) and ``architectures``
+  ``["MiniMaxM3SparseForCausalLM"]``, the registry entry whose
+  ``MiniMaxM3SparseForCausalLM`` reads ``hf_text_config``. The published
+  checkpoint is the vision-language ``minimax_m3_vl`` wrapper around the same
+  text model; the wrapper would drag in a vision tower and an image processor
+  that a smoke test of the indexer does not need.
+- ``model.safetensors``: the weight names of the published checkpoint's language
+  model (without its ``language_model.`` prefix), which is what vLLM's
+  ``MiniMaxM3Model.load_weights`` maps: ``self_attn.{q,k,v,o}_proj``,
+  ``self_attn.index_{q,k}_proj`` and ``index_{q,k}_norm`` (sparse layers only),
+  ``block_sparse_moe.gate`` / ``.e_score_correction_bias`` /
+  ``.experts.{E}.w1|w2|w3`` (gate, down, up) / ``.shared_experts.{gate,up,down}_proj``
+  on MoE layers and ``mlp.{gate,up,down}_proj`` on dense ones.
+- a byte-level BPE tokenizer trained here with ``tokenizers`` (no hub access),
+  saved as ``tokenizer.json`` + ``tokenizer_config.json``.
+
+transformers names these weights differently inside (``mlp.experts.gate_up_proj``
+fused over experts, ``self_attn.indexer.q_proj``, ...) and converts the published
+names on load only for ``minimax_m3_vl``; :func:`register_transformers_conversion`
+registers the same renames (without the VL prefixes) for the text model type.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# Small everywhere except the indexer, which keeps MiniMax M3's real geometry
+# (what FlashInfer's MSA kernels require): head dim 128, 128-token blocks,
+# top-16 blocks, one local block; head_dim 128 for the attention itself.
+TINY_TEXT_CONFIG: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "layer_types": ["full_attention", "minimax_m3_sparse", "full_attention", "minimax_m3_sparse"],
+    "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "rotary_dim": 64,
+    "intermediate_size": 256,
+    "shared_intermediate_size": 256,
+    "dense_intermediate_size": 512,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "index_n_heads": 4,
+    "index_head_dim": 128,
+    "index_block_size": 128,
+    "index_topk_blocks": 16,
+    "index_local_blocks": 1,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+}
+ARCHITECTURE = "MiniMaxM3SparseForCausalLM"
+VOCAB_SIZE = 1024
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. "
+    "MiniMax M3 selects sixteen blocks of one hundred and twenty-eight keys for every query. "
+    "FlashInfer scores each block with the maximum dot product of the query and its keys. "
+    "The capital of France is Paris. One, two, three, four, five, six, seven, eight, nine, ten. "
+    "Hello world! How are you today? I am a tiny random model, so my answers mean nothing. "
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'\"()[]{}<>-_=+/*&%$#@ "
+)
+
+
+def build_tokenizer(directory: Path):
+    """Train a byte-level BPE tokenizer on a built-in corpus and save it in HF layout."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    bos_id = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=TINY_TEXT_CONFIG["max_position_embeddings"],
+    )
+    fast.chat_template = (
+        "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    fast.save_pretrained(directory)
+    return fast
+
+
+def tiny_config(tokenizer):
+    from transformers import MiniMaxM3VLTextConfig
+
+    config = MiniMaxM3VLTextConfig(
+        **TINY_TEXT_CONFIG,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config.architectures = [ARCHITECTURE]
+    config.dtype = "bfloat16"
+    return config
+
+
+def to_checkpoint_names(state_dict: dict) -> dict:
+    """transformers' MiniMax M3 parameter names -> the published checkpoint's (vLLM's).
+
+    The inverse of the ``minimax_m3_vl`` conversion mapping in transformers, less
+    its ``language_model.`` / vision prefixes."""
+    out = {}
+    for name, tensor in state_dict.items():
+        tensor = tensor.contiguous()
+        if ".mlp.experts.gate_up_proj" in name:  # [E, 2I, H] = cat(w1, w3) per expert
+            prefix = name.replace(".mlp.experts.gate_up_proj", ".block_sparse_moe.experts")
+            gate, up = tensor.chunk(2, dim=1)
+            for expert in range(tensor.shape[0]):
+                out[f"{prefix}.{expert}.w1.weight"] = gate[expert].contiguous()
+                out[f"{prefix}.{expert}.w3.weight"] = up[expert].contiguous()
+            continue
+        if ".mlp.experts.down_proj" in name:  # [E, H, I]
+            prefix = name.replace(".mlp.experts.down_proj", ".block_sparse_moe.experts")
+            for expert in range(tensor.shape[0]):
+                out[f"{prefix}.{expert}.w2.weight"] = tensor[expert].contiguous()
+            continue
+        name = name.replace(
+            ".mlp.gate.e_score_correction_bias", ".block_sparse_moe.e_score_correction_bias"
+        )
+        for part in ("gate", "shared_experts"):
+            name = name.replace(f".mlp.{part}.", f".block_sparse_moe.{part}.")
+        name = name.replace(".self_attn.indexer.", ".self_attn.index_")
+        if name.endswith(".gate_up_proj.weight"):  # dense MLP and shared expert
+            gate, up = tensor.chunk(2, dim=0)
+            stem = name.removesuffix(".gate_up_proj.weight")
+            out[f"{stem}.gate_proj.weight"] = gate.contiguous()
+            out[f"{stem}.up_proj.weight"] = up.contiguous()
+            continue
+        out[name] = tensor
+    return out
+
+
+def register_transformers_conversion() -> None:
+    """Let transformers load the published weight names for ``minimax_m3_vl_text``.
+
+    transformers ships these renames only for the VL wrapper (``minimax_m3_vl``);
+    this registers the same list without the rules anchored at the VL prefixes."""
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    rules = get_checkpoint_conversion_mapping("minimax_m3_vl")
+    text_rules = [
+        rule
+        for rule in rules
+        if not any(str(pattern).startswith("^") for pattern in _source_patterns(rule))
+    ]
+    register_checkpoint_conversion_mapping("minimax_m3_vl_text", text_rules, overwrite=True)
+
+
+def _source_patterns(rule) -> list:
+    patterns = rule.source_patterns
+    return list(patterns) if isinstance(patterns, (list, tuple)) else [patterns]
+
+
+def make_tiny_model(directory: Path, seed: int = 0) -> dict[str, Any]:
+    """Write the tiny checkpoint into ``directory``; return a short summary."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import MiniMaxM3VLForCausalLM
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(directory)
+    config = tiny_config(tokenizer)
+    torch.manual_seed(seed)
+    model = MiniMaxM3VLForCausalLM(config).to(torch.bfloat16).eval()
+    weights = to_checkpoint_names(model.state_dict())
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(directory)
+    # save_pretrained may drop fields equal to the class defaults; vLLM and
+    # readers of this file see the full geometry spelled out.
+    written = json.loads((directory / "config.json").read_text())
+    written.update(TINY_TEXT_CONFIG)
+    written["architectures"] = [ARCHITECTURE]
+    (directory / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    parameters = sum(t.numel() for t in weights.values())
+    return {"directory": directory, "tensors": len(weights), "parameters": parameters}
