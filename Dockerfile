@@ -1,0 +1,18 @@
+# vLLM's official OpenAI-compatible server image with the MiniMax M3 FlashInfer
+# indexer series applied. Build and run (see README, "Deploy"):
+#   docker build -t vllm-minimax:0.34.0 .
+#   docker run --gpus all --ipc=host -p 8000:8000 vllm-minimax:0.34.0 \
+#       MiniMaxAI/MiniMax-M3 --config /opt/vllm-minimax/configs/serve/h200-8x.yaml
+# The tag picks the vLLM release; docker/build.sh fails the build when that vLLM
+# has no series in patches/ or is not the tag's version.
+ARG VLLM_IMAGE_TAG=v0.34.0
+FROM vllm/vllm-openai:${VLLM_IMAGE_TAG}
+ARG VLLM_IMAGE_TAG
+
+COPY . /opt/vllm-minimax
+
+# FlashInfer 0.7.4 over the image's 0.7.3, this package, `vllm-minimax apply`,
+# and a build failure unless `vllm-minimax status` is clean afterwards.
+RUN EXPECTED_VLLM_VERSION="${VLLM_IMAGE_TAG#v}" bash /opt/vllm-minimax/docker/build.sh
+
+# No ENTRYPOINT or CMD here: the base image's `vllm serve` entrypoint is kept.

@@ -1,0 +1,123 @@
+"""docker/build.sh, the Dockerfile's build steps, run here against scratch vLLM trees
+(no Docker engine on CI): it applies the series and insists on a clean status, and it
+refuses a vLLM that has no series, or that is not the image tag's version."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from patchset_helpers import REPO_ROOT, installed_vllm_site, real_series_paths, tree_manifest
+
+from vllm_minimax import patchset
+
+BUILD_SH = REPO_ROOT / "docker" / "build.sh"
+DOCKERFILE = REPO_ROOT / "Dockerfile"
+VENV_BIN = Path(sys.executable).parent
+
+
+def scratch_vllm(root: Path, version: str | None = None) -> Path:
+    """The files the series reads, copied from the installed vLLM 0.34.0."""
+    site = installed_vllm_site()
+    for rel in ["vllm/_version.py", *real_series_paths()]:
+        if (site / rel).is_file():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(site / rel, root / rel)
+    if version is not None:
+        version_file = root / "vllm" / "_version.py"
+        text = version_file.read_text()
+        version_file.write_text(text.replace(patchset.read_vllm_version(root), version))
+    return root
+
+
+def run_build(*arguments: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "PYTHON": sys.executable, **env}
+    return subprocess.run(
+        ["bash", str(BUILD_SH), *arguments],
+        env=environment,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+
+
+def test_applies_the_series_and_status_is_clean(tmp_path):
+    target = scratch_vllm(tmp_path / "site")
+    result = run_build("--skip-pip", TARGET=str(target))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "vLLM 0.34.0" in result.stdout and "series vllm-0.34.0" in result.stdout
+    assert "state:        applied (vllm-0.34.0)" in result.stdout
+    assert "the series is applied and status is clean" in result.stdout
+    state = patchset.series_state(target)
+    assert state.applied and state.clean
+    assert all(file_state == "as-applied" for _, file_state in state.files)
+    assert (target / "vllm/models/minimax_m3/nvidia/indexer_flashinfer.py").is_file()
+
+    again = run_build("--skip-pip", "--target", str(target))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already applied" in again.stdout
+
+
+def test_version_without_a_series_fails_clearly_and_changes_nothing(tmp_path):
+    target = scratch_vllm(tmp_path / "site", version="0.33.9")
+    before = tree_manifest(target)
+    result = run_build("--skip-pip", TARGET=str(target))
+    assert result.returncode == 1
+    assert "build.sh: error: no patch series for vLLM 0.33.9" in result.stderr
+    assert "supported vLLM versions: 0.34.0" in result.stderr
+    assert tree_manifest(target) == before
+
+
+def test_image_tag_mismatch_fails_clearly(tmp_path):
+    target = scratch_vllm(tmp_path / "site")
+    before = tree_manifest(target)
+    result = run_build("--skip-pip", TARGET=str(target), EXPECTED_VLLM_VERSION="0.35.0")
+    assert result.returncode == 1
+    assert "is 0.34.0, but this build expects 0.35.0" in result.stderr
+    assert tree_manifest(target) == before
+
+
+def test_pip_steps_install_flashinfer_074_and_the_package_without_deps(tmp_path):
+    """The pip half, with pip replaced by echo: the requirement check runs against this
+    environment (which has flashinfer-python 0.7.4 and everything it needs)."""
+    target = scratch_vllm(tmp_path / "site")
+    result = run_build(TARGET=str(target), PIP="echo PIP")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert "PIP install --no-cache-dir --no-deps flashinfer-python==0.7.4" in lines
+    assert "build.sh: flashinfer-python 0.7.4's requirements are already met" in lines
+    assert f"PIP install --no-cache-dir --no-deps {REPO_ROOT}" in lines
+    assert patchset.series_state(target).clean
+
+
+def test_dockerfile_builds_from_the_series_image_and_keeps_its_entrypoint():
+    text = DOCKERFILE.read_text()
+    default_tag = re.search(r"^ARG VLLM_IMAGE_TAG=v(\S+)$", text, re.M)
+    assert default_tag, "Dockerfile must declare ARG VLLM_IMAGE_TAG=v<version>"
+    assert patchset.series_dir_for(default_tag.group(1)) is not None
+    assert re.search(r"^FROM vllm/vllm-openai:\$\{VLLM_IMAGE_TAG\}$", text, re.M)
+    assert "docker/build.sh" in text
+    instructions = {line.split()[0] for line in text.splitlines() if line and line[0] != "#"}
+    assert not instructions & {"ENTRYPOINT", "CMD"}, "the base image's entrypoint is kept"
+
+
+@pytest.mark.parametrize(
+    ("tool", "arguments"),
+    [
+        ("hadolint", [str(DOCKERFILE)]),
+        ("shellcheck", [str(BUILD_SH), str(REPO_ROOT / "scripts" / "smoke-gpu")]),
+    ],
+)
+def test_lint(tool, arguments):
+    executable = VENV_BIN / tool
+    assert executable.exists(), f"{tool} is in requirements/dev.lock; run scripts/setup"
+    result = subprocess.run(
+        [str(executable), *arguments], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
