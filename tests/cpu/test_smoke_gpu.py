@@ -129,7 +129,7 @@ def test_smoke_gpu_reports_selection_and_answer(fake_env):
     assert "smoke-gpu: prompt tokens 2405, answer ' Paris'" in out
     assert "smoke-gpu: ok" in out.splitlines()
     assert_server_stopped(fake_env)
-    assert not list(Path(fake_env["TMPDIR"]).iterdir()), "scratch directory left behind"
+    assert not list(Path(fake_env["TMPDIR"]).glob("smoke-gpu.*")), "scratch directory left"
 
 
 def test_smoke_gpu_fails_when_triton_is_selected_on_sm90(fake_env):
