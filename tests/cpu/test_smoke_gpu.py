@@ -132,8 +132,12 @@ def test_smoke_gpu_reports_selection_and_answer(fake_env):
     assert not list(Path(fake_env["TMPDIR"]).glob("smoke-gpu.*")), "scratch directory left"
 
 
-def test_smoke_gpu_fails_when_triton_is_selected_on_sm90(fake_env):
-    result = run_smoke({**fake_env, "FAKE_IMPL": "Triton (FlashInfer not used: test)"})
+def test_smoke_gpu_fails_when_triton_is_selected_on_sm90(fake_env, tmp_path):
+    from vllm_minimax.tiny_model import make_tiny_model
+
+    make_tiny_model(tmp_path / "model")  # in-process: quicker than the script's own
+    env = {**fake_env, "TINY_MODEL": str(tmp_path / "model")}
+    result = run_smoke({**env, "FAKE_IMPL": "Triton (FlashInfer not used: test)"})
     assert result.returncode == 1
     assert "expected the FlashInfer indexer on compute capability 9.0" in result.stderr
     assert_server_stopped(fake_env)
