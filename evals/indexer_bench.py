@@ -132,8 +132,8 @@ def gpu_slug() -> str:
 def kernel_calls(run):
     """The FlashInfer calls with exactly the arguments the patched forward
     passes (q after its prefill slack step), prepared beforehand, for the
-    overhead comparison. Follows the patch's `md.calls` (one pair per side of
-    a mixed batch) where its metadata has them, else its single pair."""
+    overhead comparison: one pair per entry of the patch's `md.calls` (one
+    per side of a mixed batch)."""
     mod, md, impl, batch = run.module, run.metadata, run.impl, run.batch
     H = impl.num_index_heads
     q_all = batch.index_query[: md.num_actual_tokens].view(-1, H, 128)
@@ -144,34 +144,19 @@ def kernel_calls(run):
     fe = min(md.local_blocks, impl.topk_blocks - fb)
     proxy, topk = mod.msa_proxy_score, mod.msa_topk_select
     pairs = []
-    calls = getattr(md, "calls", None)
-    if calls:
-        for c in calls:
-            q = q_all[c.token_start : c.token_end]
-            if c.is_prefill:
-                q = mod._with_overread_slack(q)
-            pairs.append(
-                (
-                    q,
-                    c.cu_seqlens_q,
-                    c.page_table,
-                    c.seqused_k,
-                    c.max_seqlen_q,
-                    c.num_valid_pages,
-                    buf[c.token_start : c.token_end],
-                )
-            )
-    else:
-        q = mod._with_overread_slack(q_all) if md.num_prefills > 0 else q_all
+    for c in md.calls:
+        q = q_all[c.token_start : c.token_end]
+        if c.is_prefill:
+            q = mod._with_overread_slack(q)
         pairs.append(
             (
                 q,
-                md.proxy_cu_seqlens_q,
-                md.proxy_page_table,
-                md.proxy_seqused_k,
-                md.proxy_max_seqlen_q,
-                md.num_valid_pages,
-                buf[: md.num_actual_tokens],
+                c.cu_seqlens_q,
+                c.page_table,
+                c.seqused_k,
+                c.max_seqlen_q,
+                c.num_valid_pages,
+                buf[c.token_start : c.token_end],
             )
         )
 

@@ -9,11 +9,12 @@ For a few cases of `cases_for_bench()`:
 - host time split: msa_proxy_score alone, msa_topk_select alone, and the
   patch's own lines (forward minus the two calls);
 - a cProfile of 200 patched forwards (top functions by own time);
-- for mixed batches: the patch's single whole-batch proxy + top-k against a
-  split (decode rows through the decode regime, prefill rows through the
-  prefill regime, two proxy + two top-k calls), checked to select the same
-  score values.
 Writes overhead.json and overhead.txt under --out.
+
+The mixed-batch rows of results/h200/overhead.json also compare the patch's
+former single whole-batch pair with a split into one pair per side; the patch
+now makes that split itself (`md.calls`), so this script no longer carries the
+comparison.
 """
 
 from __future__ import annotations
@@ -39,66 +40,8 @@ from vllm_minimax.indexer_cases import (  # noqa: E402
     cases_for_bench,
     make_batch,
     patched_run,
-    reference_scores,
-    selection_values,
-    value_check,
 )
 from vllm_minimax.triton_indexer import load_index_topk, triton_build, triton_forward  # noqa: E402
-
-
-def split_calls(run):
-    """Decode rows and prefill rows as two proxy + top-k pairs (same buffer)."""
-    mod, md, impl, batch = run.module, run.metadata, run.impl, run.batch
-    cm = batch.common
-    nd_req, nd = md.num_decodes, md.num_decode_tokens
-    H = impl.num_index_heads
-    q = batch.index_query[: md.num_actual_tokens].view(-1, H, 128)
-    qp = mod._with_overread_slack(q[nd:])
-    qd = q[:nd]
-    kv = impl.index_cache.kv_cache
-    k_pages = kv.view(kv.shape[0], 1, 128, 128)
-    buf = impl.topk_indices_buffer
-    cu = md.proxy_cu_seqlens_q
-    cu_d = cu[: nd_req + 1].contiguous()
-    cu_p = (cu[nd_req:] - nd).to(torch.int32)
-    pt_d, pt_p = md.proxy_page_table[:nd_req], md.proxy_page_table[nd_req:]
-    sk_d, sk_p = md.proxy_seqused_k[:nd_req], md.proxy_seqused_k[nd_req:]
-    sl = cm.seq_lens.tolist()
-    tiles_d = -(-max(sl[:nd_req]) // 128)
-    tiles_p = -(-max(sl[nd_req:]) // 128)
-    qlens = (cm.query_start_loc_cpu[1:] - cm.query_start_loc_cpu[:-1]).tolist()
-    dq, pq = max(qlens[:nd_req]), max(qlens[nd_req:])
-    nvp = md.num_valid_pages
-    nvp_d, nvp_p = nvp[:nd], nvp[nd:]
-    out_d, out_p = buf[:nd], buf[nd : md.num_actual_tokens]
-    fe = min(md.local_blocks, 16)
-    P, T = mod.msa_proxy_score, mod.msa_topk_select
-
-    def call():
-        s = P(
-            qd,
-            k_pages,
-            cu_d,
-            page_table=pt_d,
-            seqused_k=sk_d,
-            causal=True,
-            max_seqlen_q=dq,
-            max_k_tiles=tiles_d,
-        )
-        T(s, 16, num_valid_pages=nvp_d, force_begin_blocks=0, force_end_blocks=fe, output=out_d)
-        s = P(
-            qp,
-            k_pages,
-            cu_p,
-            page_table=pt_p,
-            seqused_k=sk_p,
-            causal=True,
-            max_seqlen_q=pq,
-            max_k_tiles=tiles_p,
-        )
-        T(s, 16, num_valid_pages=nvp_p, force_begin_blocks=0, force_end_blocks=fe, output=out_p)
-
-    return call
 
 
 def main(argv=None) -> int:
@@ -161,40 +104,33 @@ def main(argv=None) -> int:
         row["host_us_triton"] = host_us(tri, 200)
         # Host split of the pair.
         md, impl = run.metadata, run.impl
-        if len(getattr(md, "calls", ())) <= 1:  # one whole-batch pair
+        if len(md.calls) == 1:  # the host split of a single pair
+            (c,) = md.calls
             q = iq[: md.num_actual_tokens].view(-1, case.heads, 128)
-            if md.num_prefills:
+            if c.is_prefill:
                 q = module._with_overread_slack(q)
             kp = batch.kv_cache.view(batch.kv_cache.shape[0], 1, 128, 128)
-            scores = module.msa_proxy_score(
-                q,
-                kp,
-                md.proxy_cu_seqlens_q,
-                page_table=md.proxy_page_table,
-                seqused_k=md.proxy_seqused_k,
-                causal=True,
-                max_seqlen_q=md.proxy_max_seqlen_q,
-                max_k_tiles=md.max_k_tiles,
-            )
-            row["host_us_proxy_only"] = host_us(
-                lambda q=q, kp=kp, md=md: module.msa_proxy_score(
+
+            def proxy(q=q, kp=kp, c=c, md=md):
+                return module.msa_proxy_score(
                     q,
                     kp,
-                    md.proxy_cu_seqlens_q,
-                    page_table=md.proxy_page_table,
-                    seqused_k=md.proxy_seqused_k,
+                    c.cu_seqlens_q,
+                    page_table=c.page_table,
+                    seqused_k=c.seqused_k,
                     causal=True,
-                    max_seqlen_q=md.proxy_max_seqlen_q,
+                    max_seqlen_q=c.max_seqlen_q,
                     max_k_tiles=md.max_k_tiles,
-                ),
-                200,
-            )
+                )
+
+            scores = proxy()
+            row["host_us_proxy_only"] = host_us(proxy, 200)
             out = impl.topk_indices_buffer[: md.num_actual_tokens]
             row["host_us_topk_only"] = host_us(
-                lambda s=scores, md=md, out=out: module.msa_topk_select(
+                lambda s=scores, c=c, out=out: module.msa_topk_select(
                     s,
                     16,
-                    num_valid_pages=md.num_valid_pages,
+                    num_valid_pages=c.num_valid_pages,
                     force_begin_blocks=0,
                     force_end_blocks=1,
                     output=out,
@@ -202,19 +138,6 @@ def main(argv=None) -> int:
                 200,
             )
         row["host_us_patch_own"] = row["host_us_forward"] - row["host_us_kernels"]
-        if md.num_prefills and md.num_decodes:
-            whole = run.forward().clone()
-            sc = split_calls(run)
-            batch.poison()
-            sc()
-            split_sel = batch.topk_buffer[: batch.total_q].clone()
-            ref = reference_scores(batch)
-            vc = value_check(split_sel, selection_values(whole, ref), ref, want_sel=whole)
-            row["split_value_match_vs_whole"] = vc.all_values_match
-            row["split_exact_rate_vs_whole"] = vc.exact_rate
-            row["eager_split_ms"] = bench(sc)
-            row["graph_split_ms"] = graph_ms(sc)
-            row["host_us_split"] = host_us(sc, 200)
         # cProfile of 200 forwards.
         pr = cProfile.Profile()
         torch.cuda.synchronize()
