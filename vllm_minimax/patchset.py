@@ -125,13 +125,18 @@ def read_series(series_dir: Path) -> list[Patch]:
             Patch(
                 name=name,
                 path=path,
-                sha256=hashlib.sha256(data).hexdigest(),
+                sha256=sha256_hex(data),
                 paths=paths,
                 created=created,
                 deleted=deleted,
             )
         )
     return patches
+
+
+def series_fingerprint(patches: list[Patch]) -> list[tuple[str, str]]:
+    """What the state file records of a series: each patch's name and sha256."""
+    return [(patch.name, patch.sha256) for patch in patches]
 
 
 def parse_series_file(text: str) -> list[str]:
@@ -252,10 +257,13 @@ def read_vllm_version(root: Path) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def sha256_hex(content: bytes | None) -> str | None:
+    """The sha256 of ``content``, or ``None`` for a file that does not exist."""
+    return None if content is None else hashlib.sha256(content).hexdigest()
+
+
 def sha256_of(path: Path) -> str | None:
-    if not path.is_file():
-        return None
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return sha256_hex(path.read_bytes()) if path.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -282,7 +290,7 @@ class RecordedFile:
         before = data["before"]
         after = data["after"]
         content = None if before is None else base64.b64decode(before["content_base64"])
-        if content is not None and hashlib.sha256(content).hexdigest() != before["sha256"]:
+        if content is not None and sha256_hex(content) != before["sha256"]:
             raise PatchError(f"state file: the saved original of {data['path']} is corrupt")
         return cls(
             path=data["path"],
@@ -539,17 +547,17 @@ def apply_series(target: Path | None = None, patches_dir: Path | None = None) ->
     records = [
         RecordedFile(
             path=path,
-            before_sha256=_sha(staged.before[path]),
+            before_sha256=sha256_hex(staged.before[path]),
             before_mode=staged.modes.get(path),
             before_content=staged.before[path],
-            after_sha256=_sha(staged.after[path]),
+            after_sha256=sha256_hex(staged.after[path]),
         )
         for path in paths
     ]
     new_state = AppliedState(
         vllm_version=version,
         series=series_dir.name,
-        patches=[(patch.name, patch.sha256) for patch in patches],
+        patches=series_fingerprint(patches),
         files=records,
         created_dirs=[str(directory.relative_to(root)) for directory in created_dirs],
     )
@@ -580,10 +588,6 @@ def _paths_before(patches: list[Patch], patch: Patch) -> set[str]:
     return earlier
 
 
-def _sha(content: bytes | None) -> str | None:
-    return None if content is None else hashlib.sha256(content).hexdigest()
-
-
 def _directories_to_create(root: Path, paths: list[str]) -> list[Path]:
     missing: set[Path] = set()
     for path in paths:
@@ -607,7 +611,7 @@ def _check_existing_state(
             f" not match it: {listing}. Run `vllm-minimax revert` if they are only pristine or"
             " as-applied; otherwise reinstall vLLM and delete the state file. Nothing was changed"
         )
-    current = [(patch.name, patch.sha256) for patch in patches]
+    current = series_fingerprint(patches)
     if state.series != series_dir.name or state.patches != current:
         raise PatchError(
             f"{root} carries a different revision of the series ({state.series}, patches"
@@ -719,7 +723,7 @@ def series_state(target: Path | None = None, patches_dir: Path | None = None) ->
         problem = None
         if series_dir is None or state.series != series_dir.name:
             problem = f"the applied series {state.series} is not the series for vLLM {version}"
-        elif [(p.name, p.sha256) for p in read_series(series_dir)] != state.patches:
+        elif series_fingerprint(read_series(series_dir)) != state.patches:
             problem = (
                 f"{series_dir} has changed since it was applied; run `vllm-minimax revert`"
                 " and `vllm-minimax apply` to pick up the new revision"
