@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny_parser.add_argument(
         "--seed", type=int, default=0, help="seed for the random weights (default: 0)"
     )
+    tiny_parser.add_argument(
+        "--initializer-range",
+        type=float,
+        default=None,
+        help="std of the random weights (default: transformers' 0.02)",
+    )
     tiny_parser.set_defaults(handler=run_make_tiny_model)
     return parser
 
@@ -146,7 +152,10 @@ def run_dev_export(args: argparse.Namespace) -> int:
 def run_make_tiny_model(args: argparse.Namespace) -> int:
     from vllm_minimax import tiny_model
 
-    made = tiny_model.make_tiny_model(args.directory, seed=args.seed)
+    initializer_range = args.initializer_range or tiny_model.DEFAULT_INITIALIZER_RANGE
+    made = tiny_model.make_tiny_model(
+        args.directory, seed=args.seed, initializer_range=initializer_range
+    )
     print(
         f"wrote a tiny MiniMax M3 ({tiny_model.ARCHITECTURE}, {made['parameters']:,} parameters"
         f" in {made['tensors']} tensors) to {made['directory']}"

@@ -58,6 +58,9 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 ARCHITECTURE = "MiniMaxM3SparseForCausalLM"
+# transformers' default weight init std. A larger one makes attention sharper, so
+# a changed block selection moves the outputs more (the GPU end-to-end tests use 0.1).
+DEFAULT_INITIALIZER_RANGE = 0.02
 VOCAB_SIZE = 1024
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 
@@ -105,11 +108,12 @@ def build_tokenizer(directory: Path):
     return fast
 
 
-def tiny_config(tokenizer):
+def tiny_config(tokenizer, initializer_range: float = DEFAULT_INITIALIZER_RANGE):
     from transformers import MiniMaxM3VLTextConfig
 
     config = MiniMaxM3VLTextConfig(
         **TINY_TEXT_CONFIG,
+        initializer_range=initializer_range,
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -180,7 +184,9 @@ def _source_patterns(rule) -> list:
     return list(patterns) if isinstance(patterns, (list, tuple)) else [patterns]
 
 
-def make_tiny_model(directory: Path, seed: int = 0) -> dict[str, Any]:
+def make_tiny_model(
+    directory: Path, seed: int = 0, initializer_range: float = DEFAULT_INITIALIZER_RANGE
+) -> dict[str, Any]:
     """Write the tiny checkpoint into ``directory``; return a short summary."""
     import torch
     from safetensors.torch import save_file
@@ -189,7 +195,7 @@ def make_tiny_model(directory: Path, seed: int = 0) -> dict[str, Any]:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(directory)
-    config = tiny_config(tokenizer)
+    config = tiny_config(tokenizer, initializer_range)
     torch.manual_seed(seed)
     model = MiniMaxM3VLForCausalLM(config).to(torch.bfloat16).eval()
     weights = to_checkpoint_names(model.state_dict())

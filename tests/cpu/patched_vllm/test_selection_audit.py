@@ -1,0 +1,83 @@
+"""The GPU end-to-end tests' in-engine audit (`tests/gpu_e2e/selection_audit.py`)
+passes a correct selection and catches a wrong one, on the CPU.
+
+The impl runs with FlashInfer's kernels replaced by the float32 reference (as in
+test_flashinfer_indexer); the faulty variants change one block of one row, or
+one token's page count in the metadata.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import test_flashinfer_indexer as indexer_tests
+import torch
+from test_flashinfer_indexer import BATCHES, PAGE, make_batch, make_builder, make_impl, run_forward
+from vllm.models.minimax_m3.nvidia import indexer_flashinfer as fi_mod
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "gpu_e2e"))
+import selection_audit
+
+# The reference kernels and the single-rank patch, as test_flashinfer_indexer uses them.
+kernels = indexer_tests.kernels
+single_rank = indexer_tests.single_rank
+
+
+@pytest.fixture
+def audit(monkeypatch, kernels):
+    fresh = selection_audit.Audit(enabled=True)
+    monkeypatch.setattr(selection_audit, "AUDIT", fresh)
+    original = selection_audit.install()
+    yield fresh
+    fi_mod.MiniMaxM3IndexerFlashInferImpl.forward = original
+
+
+def _step(monkeypatch, name: str, heads: int = 2):
+    torch.manual_seed(5)
+    batch = make_batch(*BATCHES[name])
+    impl, _ = make_impl(heads=heads, dtype="fp8")
+    impl.index_cache.bind_kv_cache(
+        torch.randn(batch.num_pages, 1, PAGE, 128).to(torch.float8_e4m3fn)
+    )
+    index_query = torch.randn(sum(batch.query_lens) + 3, heads * 128).to(torch.float8_e4m3fn)
+    md = make_builder(index_heads=heads).build(0, batch.metadata)
+    return impl, md, index_query
+
+
+def test_a_correct_mixed_step_passes(monkeypatch, audit):
+    impl, md, index_query = _step(monkeypatch, "decode+prefill")
+    run_forward(monkeypatch, impl, md, index_query)
+    summary = audit.summary()
+    assert summary["steps"] == 1 and summary["mixed_steps"] == 1
+    kinds = summary["by_kind"]
+    assert set(kinds) == {"mixed-decode", "mixed-prefill"}
+    for counts in kinds.values():
+        assert counts["num_problems"] == 0, counts["problems"]
+        assert counts["rows"] > 0 and counts["value_rows"] == counts["rows"]
+
+
+def test_one_wrong_block_is_caught(monkeypatch, kernels, audit):
+    real_topk = kernels.msa_topk_select
+
+    def off_by_one_block(max_score, topk, *, output, **kw):
+        real_topk(max_score, topk, output=output, **kw)
+        row = output[-1, 0]  # the prefill's last token: 6 pages of context, 6 selected
+        row[0] = 0 if row[0] != 0 else -1  # replaces or drops a block
+        return output
+
+    monkeypatch.setattr(fi_mod, "msa_topk_select", off_by_one_block)
+    impl, md, index_query = _step(monkeypatch, "prefill")
+    run_forward(monkeypatch, impl, md, index_query)
+    counts = audit.summary()["by_kind"]["prefill"]
+    assert counts["num_problems"] > 0
+    assert counts["value_rows"] < counts["rows"] or counts["problems"]
+
+
+def test_a_wrong_page_count_is_caught(monkeypatch, audit):
+    impl, md, index_query = _step(monkeypatch, "decode")
+    md.calls[0].num_valid_pages[2] += 1
+    run_forward(monkeypatch, impl, md, index_query)
+    problems = audit.summary()["by_kind"]["decode"]["problems"]
+    assert any("num_valid_pages" in p for p in problems), problems

@@ -1,0 +1,146 @@
+"""End-to-end tests of the patched vLLM on an SM90/SM12x GPU (never CI).
+
+    vllm-minimax apply --target SITE      # the vLLM these tests import
+    python -m pytest -q tests/gpu_e2e
+
+The engine configurations in `ENGINE_RUNS` run once per session, a few at a
+time on the one GPU (`VLLM_MINIMAX_E2E_PARALLEL`, default 3), each in its own
+process (`engine_run.py`); the tests read their JSON results and logs. Set
+`VLLM_MINIMAX_E2E_DIR` to keep them (default: a pytest temporary directory),
+`VLLM_MINIMAX_TINY_MODEL` to reuse a checkpoint from `vllm-minimax
+make-tiny-model --initializer-range 0.1`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+# Sharper than the default 0.02 init: a wrong block moves the logprobs more and
+# greedy margins are wider (see test_engine.py).
+E2E_INITIALIZER_RANGE = 0.1
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    backend: str
+    kv_dtype: str = "fp8"
+    graphs: bool = False
+    audit: bool = False
+
+
+ENGINE_RUNS = {
+    "triton-eager": EngineRun("triton"),
+    "flashinfer-eager": EngineRun("flashinfer", audit=True),
+    "auto-graphs": EngineRun("auto", graphs=True, audit=True),
+    "triton-graphs": EngineRun("triton", graphs=True),
+    "bf16-auto-eager": EngineRun("auto", kv_dtype="bf16"),
+    "bf16-flashinfer-eager": EngineRun("flashinfer", kv_dtype="bf16"),
+}
+
+
+def _skip_reason() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    major, minor = torch.cuda.get_device_capability()
+    if major not in (9, 12):
+        return f"needs an SM90 or SM12x GPU, found SM{major}{minor}"
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return "vLLM is not installed"
+    new_file = Path(spec.origin).parent / "models/minimax_m3/nvidia/indexer_flashinfer.py"
+    if not new_file.is_file():
+        return f"the vLLM at {Path(spec.origin).parent} lacks the series: vllm-minimax apply"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _skip_reason()
+    if reason is None:
+        return
+    marker = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu_e2e" in str(item.fspath):
+            item.add_marker(marker)
+
+
+@pytest.fixture(scope="session")
+def e2e_dir(tmp_path_factory) -> Path:
+    configured = os.environ.get("VLLM_MINIMAX_E2E_DIR")
+    path = Path(configured) if configured else tmp_path_factory.mktemp("e2e")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(e2e_dir) -> Path:
+    configured = os.environ.get("VLLM_MINIMAX_TINY_MODEL")
+    if configured:
+        return Path(configured)
+    from vllm_minimax.tiny_model import make_tiny_model
+
+    directory = e2e_dir / "tiny-minimax-m3"
+    make_tiny_model(directory, initializer_range=E2E_INITIALIZER_RANGE)
+    return directory
+
+
+@dataclass
+class EngineResult:
+    name: str
+    data: dict
+    log: str
+
+    @property
+    def error(self) -> str | None:
+        return self.data.get("error")
+
+    def workload(self, name: str) -> list[dict]:
+        return self.data["workloads"][name]["requests"]
+
+
+def _run_engine(name: str, run: EngineRun, model: Path, out_dir: Path) -> EngineResult:
+    out = out_dir / f"{name}.json"
+    log = out_dir / f"{name}.log"
+    if not out.exists():
+        cmd = [
+            sys.executable,
+            str(HERE / "engine_run.py"),
+            f"--model={model}",
+            f"--backend={run.backend}",
+            f"--kv-dtype={run.kv_dtype}",
+            f"--out={out}",
+        ]
+        cmd += ["--graphs"] * run.graphs + ["--audit"] * run.audit
+        began = time.perf_counter()
+        with log.open("w") as handle:
+            subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, timeout=900, check=False)
+        print(f"e2e: {name} took {time.perf_counter() - began:.0f}s", flush=True)
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if not out.exists():
+        return EngineResult(name, {"error": f"no result; log tail:\n{text[-3000:]}"}, text)
+    return EngineResult(name, json.loads(out.read_text()), text)
+
+
+@pytest.fixture(scope="session")
+def engine_results(tiny_model, e2e_dir) -> dict[str, EngineResult]:
+    parallel = int(os.environ.get("VLLM_MINIMAX_E2E_PARALLEL", "3"))
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        futures = {
+            name: pool.submit(_run_engine, name, run, tiny_model, e2e_dir)
+            for name, run in ENGINE_RUNS.items()
+        }
+        return {name: future.result() for name, future in futures.items()}

@@ -1,0 +1,155 @@
+"""One vLLM engine configuration over the end-to-end prompt set; results as JSON.
+
+    python tests/gpu_e2e/engine_run.py --model DIR --backend flashinfer --kv-dtype fp8 \
+        [--graphs] [--audit] --out run.json
+
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
+`--audit` can check the FlashInfer indexer's selections inside it
+(`selection_audit`). Prompts are random token ids from a fixed seed, identical
+in every run, submitted in two workloads:
+
+- ``long``: three prompts of 8k, 16k and 30k tokens (the indexer keeps 16 of up
+  to 235 blocks), greedy, prompt logprobs on;
+- ``mixed``: six 2.5k-token prompts that decode 96 tokens, followed by 20k and
+  12k-token prompts whose chunks (4096 tokens a step) are scheduled beside the
+  running decodes, so steps mix decode and prefill rows.
+
+A configuration the engine refuses at start is recorded as ``error``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+WORKLOADS = {
+    # name: [(prompt tokens, max new tokens), ...] in submission order
+    "long": [(8192, 24), (16384, 24), (30000, 24)],
+    "mixed": [(2560, 96)] * 6 + [(20000, 16), (12000, 16)],
+}
+MAX_MODEL_LEN = 32768
+MAX_NUM_BATCHED_TOKENS = 4096
+PROMPT_SEED = 1234
+FIRST_TOKEN_ID = 3  # below: <pad>, <s>, </s>
+
+
+def make_prompts(vocab_size: int) -> dict[str, list[list[int]]]:
+    import torch
+
+    g = torch.Generator().manual_seed(PROMPT_SEED)
+    return {
+        name: [
+            torch.randint(FIRST_TOKEN_ID, vocab_size, (length,), generator=g).tolist()
+            for length, _ in spec
+        ]
+        for name, spec in WORKLOADS.items()
+    }
+
+
+def request_result(output) -> dict:
+    prompt_lp = [
+        None if entry is None else entry[token].logprob
+        for token, entry in zip(output.prompt_token_ids, output.prompt_logprobs, strict=True)
+    ]
+    completion = output.outputs[0]
+    steps = []
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        top = sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)
+        steps.append(
+            {"token": token, "top": [[tok, lp.logprob] for tok, lp in top]},
+        )
+    return {
+        "prompt_tokens": len(output.prompt_token_ids),
+        "prompt_logprobs": prompt_lp,
+        "token_ids": list(completion.token_ids),
+        "steps": steps,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    audit = None
+    if args.audit:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import selection_audit
+
+        selection_audit.install()
+        audit = selection_audit.AUDIT
+
+    started = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=16,
+        enable_prefix_caching=False,
+        enforce_eager=not args.graphs,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        attention_config={
+            "indexer_kv_dtype": args.kv_dtype,
+            "minimax_m3_indexer_backend": args.backend,
+        },
+    )
+    result: dict = {"engine_start_s": round(time.perf_counter() - started, 1)}
+    vocab_size = llm.get_tokenizer().vocab_size
+    prompts = make_prompts(min(vocab_size, llm.llm_engine.model_config.get_vocab_size()))
+    result["workloads"] = {}
+    for name, spec in WORKLOADS.items():
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=new, prompt_logprobs=0, logprobs=2)
+            for _, new in spec
+        ]
+        if audit is not None:
+            audit.enabled = True
+        began = time.perf_counter()
+        outputs = llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in prompts[name]], params, use_tqdm=False
+        )
+        elapsed = time.perf_counter() - began
+        if audit is not None:
+            audit.enabled = False
+        result["workloads"][name] = {
+            "seconds": round(elapsed, 2),
+            "requests": [request_result(o) for o in outputs],
+        }
+    if audit is not None:
+        result["audit"] = audit.summary()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--backend", choices=["auto", "flashinfer", "triton"], required=True)
+    parser.add_argument("--kv-dtype", choices=["fp8", "bf16"], default="fp8")
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs on (not eager)")
+    parser.add_argument("--audit", action="store_true", help="check FlashInfer selections")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    try:
+        result = run(args)
+    except Exception as exc:
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    result["config"] = config
+    args.out.write_text(json.dumps(result))
+    print(f"engine_run: wrote {args.out}", flush=True)
+    # The in-process engine core's teardown can hang at interpreter exit; the
+    # results are on disk.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
