@@ -38,15 +38,13 @@ class EngineRun:
     kv_dtype: str = "fp8"
     graphs: bool = False
     audit: bool = False
-    ascending_triton: bool = False
 
 
 ENGINE_RUNS = {
-    "triton-eager": EngineRun("triton", ascending_triton=True),
-    "triton-eager-score-order": EngineRun("triton"),
+    "triton-eager": EngineRun("triton"),
     "flashinfer-eager": EngineRun("flashinfer", audit=True),
     "auto-graphs": EngineRun("auto", graphs=True, audit=True),
-    "triton-graphs": EngineRun("triton", graphs=True, ascending_triton=True),
+    "triton-graphs": EngineRun("triton", graphs=True),
     "bf16-auto-eager": EngineRun("auto", kv_dtype="bf16"),
     "bf16-flashinfer-eager": EngineRun("flashinfer", kv_dtype="bf16"),
 }
@@ -128,7 +126,6 @@ def _run_engine(name: str, run: EngineRun, model: Path, out_dir: Path) -> Engine
             f"--out={out}",
         ]
         cmd += ["--graphs"] * run.graphs + ["--audit"] * run.audit
-        cmd += ["--ascending-triton"] * run.ascending_triton
         began = time.perf_counter()
         with log.open("w") as handle:
             subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, timeout=900, check=False)

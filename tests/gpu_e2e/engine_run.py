@@ -71,39 +71,10 @@ def request_result(output) -> dict:
     }
 
 
-def install_ascending_triton_selection() -> None:
-    """Sort each row the Triton indexer writes into ascending block order, -1 tail.
-
-    Triton leaves its top-k in score order and FlashInfer in block order; the
-    sparse attend accumulates blocks in the order given, so the same set in a
-    different order rounds differently. Sorted, equal sets give equal logits.
-    Plain tensor ops: captured into full decode CUDA graphs like the kernels.
-    """
-    from vllm.models.minimax_m3.common import indexer
-
-    from vllm_minimax.indexer_cases import normalize_selection
-
-    original = indexer.MiniMaxM3IndexerTritonImpl.forward
-
-    def sorted_forward(self, index_query, **kwargs):
-        result = original(self, index_query, **kwargs)
-        attn_metadata = indexer.get_forward_context().attn_metadata
-        if isinstance(attn_metadata, dict) and self.topk_indices_buffer is not None:
-            num_tokens = attn_metadata[self.index_cache.prefix].num_actual_tokens
-            rows = self.topk_indices_buffer[:num_tokens]
-            rows.copy_(normalize_selection(rows))
-        return result
-
-    indexer.MiniMaxM3IndexerTritonImpl.forward = sorted_forward
-
-
 def run(args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    if args.ascending_triton:
-        install_ascending_triton_selection()
 
     audit = None
     if args.audit:
@@ -163,11 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-dtype", choices=["fp8", "bf16"], default="fp8")
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs on (not eager)")
     parser.add_argument("--audit", action="store_true", help="check FlashInfer selections")
-    parser.add_argument(
-        "--ascending-triton",
-        action="store_true",
-        help="sort Triton's selections into FlashInfer's block order",
-    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
