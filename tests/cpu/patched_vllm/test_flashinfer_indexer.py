@@ -182,6 +182,39 @@ def check_calls(md, batch, split) -> None:
         assert md.calls[0].token_end == decode_tokens
 
 
+@pytest.mark.parametrize("query_len", [1, 2])
+def test_full_graph_decode_reads_only_stable_buffers(query_len):
+    """Uniform decode batches are captured in full CUDA graphs with the indexer
+    inside (the base builder's UNIFORM_BATCH support; seen on the H200). vLLM
+    captures with max_seq_len = max_model_len, so what the graph bakes in is
+    the capture's ints and tensor addresses: every tensor the decode call reads
+    must alias the runner's persistent buffers or the builder's own, and the
+    baked ints must not depend on the replay's context lengths."""
+    max_model_len = 32768
+    capture = make_batch([max_model_len - query_len] * 4, [query_len] * 4)
+    replay = make_batch([3000, 5, 127, 9000], [query_len] * 4)
+    # The runner's persistent buffers: the replay batch refills them in place.
+    for name in ("query_start_loc", "seq_lens", "block_table_tensor", "positions"):
+        buffer = getattr(capture.metadata, name)
+        width = getattr(replay.metadata, name).shape[-1]
+        buffer[..., :width].copy_(getattr(replay.metadata, name))
+        setattr(replay.metadata, name, buffer[..., :width] if buffer.ndim > 1 else buffer)
+    builder = make_builder(threshold=query_len)
+    at_capture = builder.build(0, capture.metadata)
+    (graph_call,) = at_capture.calls
+    at_replay = builder.build(0, replay.metadata)
+    (replay_call,) = at_replay.calls
+    assert not graph_call.is_prefill and not replay_call.is_prefill
+    assert at_capture.max_k_tiles == max_model_len // PAGE >= at_replay.max_k_tiles
+    assert graph_call.max_seqlen_q == replay_call.max_seqlen_q == query_len
+    for field in ("cu_seqlens_q", "seqused_k", "page_table", "num_valid_pages"):
+        captured, replayed = getattr(graph_call, field), getattr(replay_call, field)
+        assert captured.data_ptr() == replayed.data_ptr(), f"{field} is a per-step copy"
+    # The captured views now hold the replay's values.
+    assert graph_call.num_valid_pages.tolist() == [p // PAGE + 1 for p in replay.positions]
+    assert graph_call.seqused_k.tolist() == replay.seq_lens
+
+
 def test_builder_takes_the_local_window_from_the_model_config():
     batch = make_batch(*BATCHES["decode"])
     assert make_builder(local_blocks=3).build(0, batch.metadata).local_blocks == 3
