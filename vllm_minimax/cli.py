@@ -1,4 +1,4 @@
-"""Command line: ``vllm-minimax {apply,revert,status,doctor,dev,make-tiny-model}``."""
+"""Command line: ``vllm-minimax {apply,revert,status,doctor,dev,make-tiny-model,eval}``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from vllm_minimax import __version__
+from vllm_minimax.evals.common import EvalError
 from vllm_minimax.patchset import (
     PatchError,
     apply_series,
@@ -84,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny_parser.add_argument("directory", type=Path, metavar="DIR")
     tiny_parser.add_argument(
+        "--kind",
+        choices=["minimax-m3", "llama"],
+        default="minimax-m3",
+        help="minimax-m3 (default), or llama: the model the vLLM CPU server of the eval"
+        " suite's test serves",
+    )
+    tiny_parser.add_argument(
         "--seed", type=int, default=0, help="seed for the random weights (default: 0)"
     )
     tiny_parser.add_argument(
@@ -93,7 +101,134 @@ def build_parser() -> argparse.ArgumentParser:
         help="std of the random weights (default: transformers' 0.02)",
     )
     tiny_parser.set_defaults(handler=run_make_tiny_model)
+
+    add_eval_parsers(commands)
     return parser
+
+
+def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
+    """``eval accuracy|throughput|ab``; the work is in :mod:`vllm_minimax.evals`."""
+    eval_parser = commands.add_parser(
+        "eval", help="accuracy (lm-eval) and throughput against a vLLM server; A/B of configs"
+    )
+    eval_commands = eval_parser.add_subparsers(
+        dest="eval_command", required=True, metavar="COMMAND"
+    )
+
+    def common(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--out", type=Path, required=True, metavar="DIR", help="directory for the results"
+        )
+        parser.add_argument(
+            "--tokenizer",
+            metavar="NAME_OR_DIR",
+            help="tokenizer for lm-eval and for random prompts (default: --model)",
+        )
+
+    def client(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000"
+        )
+        parser.add_argument(
+            "--model", required=True, help="the model name the server serves (its --model)"
+        )
+
+    def accuracy_options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--limit", type=int, metavar="N", help="at most N samples per task (for a quick try)"
+        )
+        parser.add_argument(
+            "--z",
+            type=float,
+            default=1.96,
+            help="pass bound in standard errors of the difference (default: 1.96)",
+        )
+
+    accuracy_parser = eval_commands.add_parser(
+        "accuracy", help="run lm-eval tasks against a server and compare with a baseline"
+    )
+    client(accuracy_parser)
+    common(accuracy_parser)
+    accuracy_parser.add_argument(
+        "--preset",
+        default="gsm8k",
+        help="accuracy preset from configs/evals/accuracy/ or a .yaml path (default: gsm8k)",
+    )
+    accuracy_options(accuracy_parser)
+    accuracy_parser.add_argument(
+        "--baseline", type=Path, metavar="JSON", help="an accuracy.json of an earlier run"
+    )
+    accuracy_parser.set_defaults(handler=run_eval_accuracy)
+
+    throughput_parser = eval_commands.add_parser(
+        "throughput", help="streaming load at a sweep of concurrencies: tok/s, TTFT, TPOT, ITL"
+    )
+    client(throughput_parser)
+    common(throughput_parser)
+    throughput_parser.add_argument(
+        "--preset",
+        default="indexer",
+        help="throughput preset from configs/evals/throughput/ or a .yaml path (default: indexer)",
+    )
+    throughput_parser.set_defaults(handler=run_eval_throughput)
+
+    ab_parser = eval_commands.add_parser(
+        "ab", help="start one server per arm (default: triton, flashinfer indexer) and compare"
+    )
+    common(ab_parser)
+    ab_parser.add_argument("--model", required=True, help="model to serve (name or directory)")
+    ab_parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="YAML",
+        help="`vllm serve --config` file, e.g. from configs/serve/",
+    )
+    ab_parser.add_argument(
+        "--arm",
+        action="append",
+        metavar="NAME=JSON",
+        help="an arm: a name and a JSON object of serve arguments merged into --config;"
+        " repeatable (default: triton and flashinfer, via attention-config's"
+        " minimax_m3_indexer_backend). The first arm is the reference",
+    )
+    ab_parser.add_argument(
+        "--accuracy-preset",
+        action="append",
+        metavar="PRESET",
+        help="accuracy preset from configs/evals/accuracy/ or a .yaml path; repeatable"
+        " (default: gsm8k and ruler-32k)",
+    )
+    accuracy_options(ab_parser)
+    ab_parser.add_argument(
+        "--throughput-preset",
+        default="indexer",
+        help="throughput preset, or `none` (default: indexer)",
+    )
+    ab_parser.add_argument(
+        "--no-accuracy", action="store_true", help="skip accuracy (throughput only)"
+    )
+    ab_parser.add_argument(
+        "--server-command",
+        default="vllm serve",
+        help="how to start a server; it gets --model, --host, --port, --config"
+        " (default: 'vllm serve')",
+    )
+    ab_parser.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment variable for the server; repeatable",
+    )
+    ab_parser.add_argument("--port", type=int, help="server port (default: a free one)")
+    ab_parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="seconds to wait for /health (default: 1800)",
+    )
+    ab_parser.set_defaults(handler=run_eval_ab)
 
 
 def run_apply(args: argparse.Namespace) -> int:
@@ -152,6 +287,16 @@ def run_dev_export(args: argparse.Namespace) -> int:
 def run_make_tiny_model(args: argparse.Namespace) -> int:
     from vllm_minimax import tiny_model
 
+    if args.kind == "llama":
+        from vllm_minimax.evals.tiny_llama import make_tiny_llama
+
+        made = make_tiny_llama(args.directory, seed=args.seed)
+        print(
+            f"wrote a tiny Llama (LlamaForCausalLM, {made['parameters']:,} parameters, vocab"
+            f" {made['vocab_size']}) to {made['directory']}"
+        )
+        return 0
+
     initializer_range = args.initializer_range or tiny_model.DEFAULT_INITIALIZER_RANGE
     made = tiny_model.make_tiny_model(
         args.directory, seed=args.seed, initializer_range=initializer_range
@@ -163,12 +308,93 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_eval_accuracy(args: argparse.Namespace) -> int:
+    from vllm_minimax.evals import accuracy, presets, report, server
+
+    server.raise_on_sigterm()
+    summary = accuracy.run_accuracy(
+        presets.load_accuracy_preset(args.preset),
+        args.base_url,
+        args.model,
+        args.out,
+        tokenizer=args.tokenizer,
+        limit=args.limit,
+        baseline_path=args.baseline,
+        z=args.z,
+    )
+    markdown = report.accuracy_markdown(summary)
+    (args.out / "accuracy.md").write_text(markdown)
+    print(markdown)
+    return 0 if summary.get("baseline", {}).get("passed", True) else 1
+
+
+def run_eval_throughput(args: argparse.Namespace) -> int:
+    from vllm_minimax.evals import presets, report, server, throughput
+
+    server.raise_on_sigterm()
+    preset = presets.load_throughput_preset(args.preset)
+    vocabulary = throughput.Vocabulary.from_tokenizer(args.tokenizer or args.model)
+    results = throughput.run_throughput(
+        preset, args.base_url, args.model, args.out / "throughput.json", vocabulary
+    )
+    markdown = report.throughput_markdown(results)
+    (args.out / "throughput.md").write_text(markdown)
+    print(markdown)
+    return 0
+
+
+def run_eval_ab(args: argparse.Namespace) -> int:
+    from vllm_minimax.evals import ab, presets, server
+
+    server.raise_on_sigterm()
+    arms = [ab.parse_arm(text) for text in args.arm] if args.arm else ab.default_arms()
+    env = {}
+    for item in args.server_env:
+        key, separator, value = item.partition("=")
+        if not separator or not key:
+            raise EvalError(f"--server-env {item!r}: expected KEY=VALUE")
+        env[key] = value
+    accuracy_presets = (
+        []
+        if args.no_accuracy
+        else [
+            presets.load_accuracy_preset(name)
+            for name in args.accuracy_preset or ["gsm8k", "ruler-32k"]
+        ]
+    )
+    throughput_preset = (
+        None
+        if args.throughput_preset == "none"
+        else presets.load_throughput_preset(args.throughput_preset)
+    )
+    launch = ab.ServerLaunch(
+        model=args.model,
+        command=args.server_command,
+        env=env,
+        startup_timeout=args.startup_timeout,
+        port=args.port,
+    )
+    result = ab.run_ab(
+        arms,
+        launch,
+        args.config,
+        accuracy_presets,
+        throughput_preset,
+        args.out,
+        tokenizer=args.tokenizer,
+        limit=args.limit,
+        z=args.z,
+    )
+    print((args.out / "report.md").read_text())
+    return 0 if result["accuracy_passed"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
-    except PatchError as error:
+    except (PatchError, EvalError) as error:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

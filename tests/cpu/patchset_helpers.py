@@ -88,3 +88,35 @@ def git_run(directory: Path, *arguments: str) -> str:
 
 
 Changes = dict[str, str | None]
+
+
+def build_and_unpack_wheel(tmp_path: Path) -> Path:
+    """Build this project's wheel from a copy of the tree and unpack it; return the unpacked
+    directory (what ``pip install`` would put in site-packages)."""
+    import sys
+    import zipfile
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        if (REPO_ROOT / name).exists():
+            shutil.copy2(REPO_ROOT / name, source / name)
+        else:
+            (source / name).write_text("")
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO_ROOT / "vllm_minimax", source / "vllm_minimax", ignore=ignore)
+    shutil.copytree(REPO_ROOT / "patches", source / "patches")
+    shutil.copytree(REPO_ROOT / "configs" / "evals", source / "configs" / "evals")
+    build = "import setuptools.build_meta as b, sys; print(b.build_wheel(sys.argv[1]))"
+    completed = subprocess.run(
+        [sys.executable, "-c", build, str(tmp_path / "dist")],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    wheel = tmp_path / "dist" / completed.stdout.strip().splitlines()[-1]
+    installed = tmp_path / "installed"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(installed)
+    return installed

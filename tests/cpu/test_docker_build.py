@@ -111,7 +111,13 @@ def test_dockerfile_builds_from_the_series_image_and_keeps_its_entrypoint():
     ("tool", "arguments"),
     [
         ("hadolint", [str(DOCKERFILE)]),
-        ("shellcheck", [str(BUILD_SH), str(REPO_ROOT / "scripts" / "smoke-gpu")]),
+        (
+            "shellcheck",
+            [
+                str(BUILD_SH),
+                *(str(REPO_ROOT / "scripts" / n) for n in ("smoke-gpu", "setup-cpu-server")),
+            ],
+        ),
     ],
 )
 def test_lint(tool, arguments):

