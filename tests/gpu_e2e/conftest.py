@@ -15,7 +15,6 @@ make-tiny-model --initializer-range 0.1`.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -48,35 +47,6 @@ ENGINE_RUNS = {
     "bf16-auto-eager": EngineRun("auto", kv_dtype="bf16"),
     "bf16-flashinfer-eager": EngineRun("flashinfer", kv_dtype="bf16"),
 }
-
-
-def _skip_reason() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    major, minor = torch.cuda.get_device_capability()
-    if major not in (9, 12):
-        return f"needs an SM90 or SM12x GPU, found SM{major}{minor}"
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or spec.origin is None:
-        return "vLLM is not installed"
-    new_file = Path(spec.origin).parent / "models/minimax_m3/nvidia/indexer_flashinfer.py"
-    if not new_file.is_file():
-        return f"the vLLM at {Path(spec.origin).parent} lacks the series: vllm-minimax apply"
-    return None
-
-
-def pytest_collection_modifyitems(config, items):
-    reason = _skip_reason()
-    if reason is None:
-        return
-    marker = pytest.mark.skip(reason=reason)
-    for item in items:
-        if "gpu_e2e" in str(item.fspath):
-            item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")
