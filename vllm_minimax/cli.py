@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="std of the random weights (default: transformers' 0.02)",
     )
+    tiny_parser.add_argument(
+        "--mtp-modules",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also write an N-module MTP draft (speculative decoding) to DIR/mtp (default: 0,"
+        " none)",
+    )
     tiny_parser.set_defaults(handler=run_make_tiny_model)
 
     add_eval_parsers(commands)
@@ -298,13 +306,26 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
         return 0
 
     initializer_range = args.initializer_range or tiny_model.DEFAULT_INITIALIZER_RANGE
+    if args.mtp_modules < 0:
+        print("--mtp-modules must be 0 or more", file=sys.stderr)
+        return 2
     made = tiny_model.make_tiny_model(
-        args.directory, seed=args.seed, initializer_range=initializer_range
+        args.directory,
+        seed=args.seed,
+        initializer_range=initializer_range,
+        mtp_modules=args.mtp_modules,
     )
     print(
         f"wrote a tiny MiniMax M3 ({tiny_model.ARCHITECTURE}, {made['parameters']:,} parameters"
         f" in {made['tensors']} tensors) to {made['directory']}"
     )
+    if "mtp" in made:
+        draft = made["mtp"]
+        print(
+            f"wrote its {args.mtp_modules}-module MTP draft ({tiny_model.MTP_ARCHITECTURE},"
+            f" {draft['parameters']:,} parameters in {draft['tensors']} tensors) to"
+            f" {draft['directory']}"
+        )
     return 0
 
 

@@ -24,6 +24,18 @@ transformers names these weights differently inside (``mlp.experts.gate_up_proj`
 fused over experts, ``self_attn.indexer.q_proj``, ...) and converts the published
 names on load only for ``minimax_m3_vl``; :func:`register_transformers_conversion`
 registers the same renames (without the VL prefixes) for the text model type.
+
+``mtp_modules=N`` (``--mtp-modules N``) also writes an MTP draft for speculative decoding, as
+the standalone checkpoint vLLM 0.34.0 loads with ``speculative_config={"method": "mtp",
+"model": DIR/mtp}``: ``mtp/config.json`` with ``model_type`` ``minimax_m3_mtp`` (vLLM's
+``MiniMaxM3MTPConfig``) and ``architectures`` ``["MiniMaxM3MTP"]``, and ``mtp/model.safetensors``
+with the names ``MiniMaxM3MTP.load_weights`` maps: ``model.embed_tokens.weight`` and
+``lm_head.weight`` (copies of the target's; vLLM's loader requires them, then the drafter uses
+the target's own), and per module ``model.mtp.layers.{i}.`` + ``enorm`` / ``hnorm`` /
+``eh_proj`` / ``final_layernorm`` and ``transformer_layer.*``: one sparse-attention MoE
+decoder layer under the main model's checkpoint names. The MTP weights cannot ride in the
+target's own directory: vLLM rewrites a bundled checkpoint into an MTP draft only for the
+``minimax_m3_vl`` wrapper, not for ``minimax_m3_vl_text``.
 """
 
 from __future__ import annotations
@@ -58,6 +70,11 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 ARCHITECTURE = "MiniMaxM3SparseForCausalLM"
+MTP_ARCHITECTURE = "MiniMaxM3MTP"
+MTP_MODEL_TYPE = "minimax_m3_mtp"
+# The draft checkpoint's directory inside the tiny model's (vLLM loads only the
+# target directory's top-level safetensors, so the two never mix).
+MTP_SUBDIRECTORY = "mtp"
 # transformers' default weight init std. A larger one makes attention sharper, so
 # a changed block selection moves the outputs more (the GPU end-to-end tests use 0.1).
 DEFAULT_INITIALIZER_RANGE = 0.02
@@ -196,9 +213,13 @@ def _source_patterns(rule) -> list:
 
 
 def make_tiny_model(
-    directory: Path, seed: int = 0, initializer_range: float = DEFAULT_INITIALIZER_RANGE
+    directory: Path,
+    seed: int = 0,
+    initializer_range: float = DEFAULT_INITIALIZER_RANGE,
+    mtp_modules: int = 0,
 ) -> dict[str, Any]:
-    """Write the tiny checkpoint into ``directory``; return a short summary."""
+    """Write the tiny checkpoint into ``directory`` (and, with ``mtp_modules`` > 0, its MTP
+    draft into ``directory / MTP_SUBDIRECTORY``); return a short summary."""
     import torch
     from safetensors.torch import save_file
     from transformers import MiniMaxM3VLForCausalLM
@@ -218,5 +239,97 @@ def make_tiny_model(
     written.update(TINY_TEXT_CONFIG)
     written["architectures"] = [ARCHITECTURE]
     (directory / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    parameters = sum(t.numel() for t in weights.values())
+    summary: dict[str, Any] = {
+        "directory": directory,
+        "tensors": len(weights),
+        "parameters": parameters,
+    }
+    if mtp_modules > 0:
+        summary["mtp"] = write_mtp_draft(
+            directory / MTP_SUBDIRECTORY, written, weights, mtp_modules, seed=seed + 1
+        )
+    return summary
+
+
+def mtp_draft_config(target_config: dict[str, Any], mtp_modules: int) -> dict[str, Any]:
+    """The draft's ``config.json``: the target's text config as ``minimax_m3_mtp``.
+
+    vLLM's ``MiniMaxM3MTPConfig`` keeps only the first ``num_hidden_layers`` layer types;
+    the MTP layers are sparse-attention MoE layers whatever those say (vLLM builds them with
+    ``force_sparse_attn`` and ``force_moe``), so they are spelled out as such."""
+    config = dict(target_config)
+    config.update(
+        model_type=MTP_MODEL_TYPE,
+        architectures=[MTP_ARCHITECTURE],
+        num_mtp_modules=mtp_modules,
+        num_hidden_layers=1,
+        layer_types=["minimax_m3_sparse"],
+        mlp_layer_types=["sparse"],
+    )
+    config.pop("transformers_version", None)
+    return config
+
+
+def mtp_module_weights(
+    target_config: dict[str, Any], mtp_modules: int, seed: int
+) -> dict[str, Any]:
+    """Random weights of ``mtp_modules`` MTP modules, under the checkpoint names.
+
+    Each module's decoder layer comes from a transformers MiniMax M3 whose every layer is
+    sparse attention + MoE, so it gets the main model's initialisation and checkpoint names
+    (``model.layers.{i}.*`` -> ``model.mtp.layers.{i}.transformer_layer.*``); ``eh_proj``
+    is drawn with the same std, the three norms get the main model's norm initialisation."""
+    import torch
+    from transformers import MiniMaxM3VLForCausalLM, MiniMaxM3VLTextConfig
+
+    fields = {
+        k: v
+        for k, v in target_config.items()
+        if k not in ("architectures", "model_type", "transformers_version")
+    }
+    fields.update(
+        num_hidden_layers=mtp_modules,
+        layer_types=["minimax_m3_sparse"] * mtp_modules,
+        mlp_layer_types=["sparse"] * mtp_modules,
+    )
+    torch.manual_seed(seed)
+    layers_model = MiniMaxM3VLForCausalLM(MiniMaxM3VLTextConfig(**fields)).to(torch.bfloat16)
+    layer_weights = to_checkpoint_names(layers_model.state_dict())
+    norm = layers_model.model.norm.weight.detach()
+    hidden = target_config["hidden_size"]
+    std = target_config["initializer_range"]
+    out: dict[str, Any] = {}
+    for index in range(mtp_modules):
+        module = f"model.mtp.layers.{index}"
+        layer = f"model.layers.{index}."
+        for name, tensor in layer_weights.items():
+            if name.startswith(layer):
+                out[f"{module}.transformer_layer.{name.removeprefix(layer)}"] = tensor
+        for norm_name in ("enorm", "hnorm", "final_layernorm"):
+            out[f"{module}.{norm_name}.weight"] = norm.clone().contiguous()
+        eh_proj = torch.empty(hidden, 2 * hidden).normal_(mean=0.0, std=std)
+        out[f"{module}.eh_proj.weight"] = eh_proj.to(torch.bfloat16).contiguous()
+    return out
+
+
+def write_mtp_draft(
+    directory: Path,
+    target_config: dict[str, Any],
+    target_weights: dict[str, Any],
+    mtp_modules: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Write the standalone MTP draft checkpoint; return a short summary."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = mtp_module_weights(target_config, mtp_modules, seed)
+    for shared in ("model.embed_tokens.weight", "lm_head.weight"):
+        weights[shared] = target_weights[shared].clone().contiguous()
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = mtp_draft_config(target_config, mtp_modules)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     parameters = sum(t.numel() for t in weights.values())
     return {"directory": directory, "tensors": len(weights), "parameters": parameters}

@@ -1,16 +1,28 @@
 """`vllm-minimax make-tiny-model`: transformers loads and runs the checkpoint, and
-stock vLLM 0.34.0's config code and model registry accept it as MiniMax M3."""
+stock vLLM 0.34.0's config code and model registry accept it as MiniMax M3; with
+`--mtp-modules N`, vLLM's own MiniMaxM3MTP loads the draft strictly."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
 from vllm_minimax import cli
-from vllm_minimax.tiny_model import ARCHITECTURE, TINY_TEXT_CONFIG
+from vllm_minimax.tiny_model import (
+    ARCHITECTURE,
+    MTP_ARCHITECTURE,
+    MTP_MODEL_TYPE,
+    MTP_SUBDIRECTORY,
+    TINY_TEXT_CONFIG,
+)
+
+MTP_MODULES = 2
+PROBE = Path(__file__).parent / "mtp_draft_probe.py"
 
 
 @pytest.fixture(scope="module")
@@ -18,6 +30,36 @@ def tiny_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tiny-minimax-m3")
     assert cli.main(["make-tiny-model", str(directory)]) == 0
     return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-minimax-m3-mtp")
+    assert cli.main(["make-tiny-model", str(directory), f"--mtp-modules={MTP_MODULES}"]) == 0
+    return directory
+
+
+def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(path, "pt") as weights:
+        names = list(weights.keys())
+        return {name: tuple(weights.get_slice(name).get_shape()) for name in names}
+
+
+def _run_probe(tiny_mtp_dir: Path, *extra: str) -> dict:
+    completed = subprocess.run(
+        [sys.executable, str(PROBE), str(tiny_mtp_dir), *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def draft_probe(tiny_mtp_dir) -> dict:
+    return _run_probe(tiny_mtp_dir)
 
 
 def test_layout(tiny_dir):
@@ -104,3 +146,93 @@ def test_vllm_config_and_registry_resolve_minimax_m3(tiny_dir):
     assert arch == ARCHITECTURE
     assert model_cls.__module__ == "vllm.models.minimax_m3.nvidia.model"
     assert model_cls.__name__ == ARCHITECTURE
+
+
+def test_mtp_option_leaves_the_target_checkpoint_byte_identical(tiny_dir, tiny_mtp_dir):
+    assert not (tiny_dir / MTP_SUBDIRECTORY).exists()
+    target_files = sorted(path.name for path in tiny_dir.iterdir())
+    assert sorted(p.name for p in tiny_mtp_dir.iterdir() if p.is_file()) == target_files
+    for name in target_files:
+        assert (tiny_mtp_dir / name).read_bytes() == (tiny_dir / name).read_bytes(), name
+
+
+def test_mtp_draft_config_is_what_vllm_reads_as_a_minimax_m3_mtp_checkpoint(tiny_mtp_dir):
+    from vllm.transformers_utils.config import get_config
+
+    draft_dir = tiny_mtp_dir / MTP_SUBDIRECTORY
+    config = json.loads((draft_dir / "config.json").read_text())
+    assert config["model_type"] == MTP_MODEL_TYPE
+    assert config["architectures"] == [MTP_ARCHITECTURE]
+    assert config["num_mtp_modules"] == MTP_MODULES
+    target = json.loads((tiny_mtp_dir / "config.json").read_text())
+    for key in ("hidden_size", "vocab_size", "index_topk_blocks", "num_local_experts"):
+        assert config[key] == target[key], key
+    hf_config = get_config(str(draft_dir), trust_remote_code=False)
+    assert type(hf_config).__name__ == "MiniMaxM3MTPConfig"
+    assert hf_config.num_mtp_modules == MTP_MODULES
+
+
+def test_mtp_weight_names_are_the_main_sparse_moe_layer_names_plus_the_mtp_modules(tiny_mtp_dir):
+    """Derived from the target checkpoint: each MTP module's transformer layer carries
+    exactly the tensors (names and shapes) of a main sparse-attention MoE layer."""
+    target = _tensor_shapes(tiny_mtp_dir / "model.safetensors")
+    draft = _tensor_shapes(tiny_mtp_dir / MTP_SUBDIRECTORY / "model.safetensors")
+    sparse_moe_layer = next(
+        layer
+        for layer, (attention, mlp) in enumerate(
+            zip(TINY_TEXT_CONFIG["layer_types"], TINY_TEXT_CONFIG["mlp_layer_types"], strict=True)
+        )
+        if attention == "minimax_m3_sparse" and mlp == "sparse"
+    )
+    stem = f"model.layers.{sparse_moe_layer}."
+    layer_tensors = {n.removeprefix(stem): s for n, s in target.items() if n.startswith(stem)}
+    hidden = TINY_TEXT_CONFIG["hidden_size"]
+    expected = {name: target[name] for name in ("model.embed_tokens.weight", "lm_head.weight")}
+    for module in range(MTP_MODULES):
+        prefix = f"model.mtp.layers.{module}."
+        expected |= {f"{prefix}transformer_layer.{n}": s for n, s in layer_tensors.items()}
+        expected |= {f"{prefix}{norm}.weight": (hidden,) for norm in ("enorm", "hnorm")}
+        expected[f"{prefix}final_layernorm.weight"] = (hidden,)
+        expected[f"{prefix}eh_proj.weight"] = (hidden, 2 * hidden)
+    assert draft == expected
+
+
+def test_vllm_mtp_draft_loads_every_parameter_from_the_checkpoint(draft_probe):
+    """vLLM's own SpeculativeConfig and MiniMaxM3MTP (built on the CPU): the checkpoint is
+    read as a minimax_m3_mtp draft, every tensor maps, and the default loader's strict check
+    (every parameter and fused-projection shard initialised) passes."""
+    assert draft_probe["draft_model_type"] == MTP_MODEL_TYPE
+    assert draft_probe["draft_architectures"] == [MTP_ARCHITECTURE]
+    assert draft_probe["num_mtp_modules"] == MTP_MODULES
+    # vLLM 0.34.0 keeps MiniMax M3 off the multi-module speculator (speculative.py:1827).
+    assert draft_probe["multi_module_speculator"] is False
+    assert draft_probe["unmapped_checkpoint_names"] == []
+    assert draft_probe["loaded"] == draft_probe["parameters"]
+    assert draft_probe["strict_check_error"] is None
+    assert all(draft_probe["loaded_values_equal"].values()), draft_probe["loaded_values_equal"]
+    modules = {name.split(".")[2] for name in draft_probe["parameters"] if ".layers." in name}
+    assert modules == {str(m) for m in range(MTP_MODULES)}
+
+
+def test_strict_check_catches_a_missing_draft_weight(tiny_mtp_dir):
+    missing = "model.mtp.layers.1.transformer_layer.self_attn.index_k_proj.weight"
+    probe = _run_probe(tiny_mtp_dir, f"--drop={missing}")
+    assert probe["strict_check_error"] is not None
+    assert (
+        "model.layers.1.transformer_layer.self_attn.qkv_proj.weight.index_k"
+        in probe["strict_check_error"]
+    )
+
+
+def test_draft_layer_names_collide_with_the_text_target_unless_prefixed(draft_probe):
+    """Why the GPU e2e harness installs `tests/gpu_e2e/mtp_draft.py`: with vLLM's empty
+    draft prefix, MTP module 0's attention is named like the target's layer 0."""
+    assert "model.layers.0.self_attn.attn" in draft_probe["target_layers"]
+    assert draft_probe["collision_error"] == "Duplicate layer name: model.layers.0.self_attn.attn"
+    prefixed = draft_probe["draft_layers_with_harness_prefix"]
+    expected = {
+        f"mtp.model.layers.{m}.{layer}"
+        for m in range(MTP_MODULES)
+        for layer in ("self_attn.attn", "self_attn.attn.index_cache", "block_sparse_moe.experts")
+    }
+    assert set(prefixed) == expected

@@ -10,7 +10,8 @@ profiling: each counts the others' allocations against its own budget.) A run
 whose JSON is already in the directory is not repeated. Set
 `VLLM_MINIMAX_E2E_DIR` to keep them (default: a pytest temporary directory),
 `VLLM_MINIMAX_TINY_MODEL` to reuse a checkpoint from `vllm-minimax
-make-tiny-model --initializer-range 0.1`.
+make-tiny-model --initializer-range 0.1 --mtp-modules 1` (without its `mtp/`
+draft the `mtp-*` runs record an error and test_mtp.py fails).
 """
 
 from __future__ import annotations
@@ -25,10 +26,17 @@ from pathlib import Path
 
 import pytest
 
+from vllm_minimax.tiny_model import MTP_SUBDIRECTORY
+
 HERE = Path(__file__).parent
 # Sharper than the default 0.02 init: a wrong block moves the logprobs more and
 # greedy margins are wider (see test_engine.py).
 E2E_INITIALIZER_RANGE = 0.1
+# One MTP module (vLLM 0.34.0 runs every draft step on module 0 anyway), K = 2
+# speculated tokens: the target verifies 3 query tokens per decoding request.
+# test_mtp.py names the mtp-* runs and their non-MTP counterparts.
+E2E_MTP_MODULES = 1
+E2E_MTP_TOKENS = 2
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class EngineRun:
     kv_dtype: str = "fp8"
     graphs: bool = False
     audit: bool = False
+    mtp: int = 0  # speculated tokens a step with the MTP draft (0: no speculation)
 
 
 ENGINE_RUNS = {
@@ -46,6 +55,8 @@ ENGINE_RUNS = {
     "triton-graphs": EngineRun("triton", graphs=True),
     "bf16-auto-eager": EngineRun("auto", kv_dtype="bf16"),
     "bf16-flashinfer-eager": EngineRun("flashinfer", kv_dtype="bf16"),
+    "mtp-triton-eager": EngineRun("triton", mtp=E2E_MTP_TOKENS),
+    "mtp-flashinfer-eager": EngineRun("flashinfer", audit=True, mtp=E2E_MTP_TOKENS),
 }
 
 
@@ -65,7 +76,7 @@ def tiny_model(e2e_dir) -> Path:
     from vllm_minimax.tiny_model import make_tiny_model
 
     directory = e2e_dir / "tiny-minimax-m3"
-    make_tiny_model(directory, initializer_range=E2E_INITIALIZER_RANGE)
+    make_tiny_model(directory, initializer_range=E2E_INITIALIZER_RANGE, mtp_modules=E2E_MTP_MODULES)
     return directory
 
 
@@ -86,6 +97,10 @@ class EngineResult:
 def _run_engine(name: str, run: EngineRun, model: Path, out_dir: Path) -> EngineResult:
     out = out_dir / f"{name}.json"
     log = out_dir / f"{name}.log"
+    draft = model / MTP_SUBDIRECTORY / "config.json"
+    if run.mtp and not out.exists() and not draft.exists():
+        message = f"no MTP draft at {draft.parent} (make-tiny-model --mtp-modules 1)"
+        return EngineResult(name, {"error": message}, "")
     if not out.exists():
         cmd = [
             sys.executable,
@@ -96,6 +111,7 @@ def _run_engine(name: str, run: EngineRun, model: Path, out_dir: Path) -> Engine
             f"--out={out}",
         ]
         cmd += ["--graphs"] * run.graphs + ["--audit"] * run.audit
+        cmd += [f"--mtp={run.mtp}"] * bool(run.mtp)
         began = time.perf_counter()
         with log.open("w") as handle:
             subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, timeout=900, check=False)

@@ -1,7 +1,7 @@
 """One vLLM engine configuration over the end-to-end prompt set; results as JSON.
 
     python tests/gpu_e2e/engine_run.py --model DIR --backend flashinfer --kv-dtype fp8 \
-        [--graphs] [--audit] --out run.json
+        [--graphs] [--audit] [--mtp K] --out run.json
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
 `--audit` can check the FlashInfer indexer's selections inside it
@@ -13,6 +13,13 @@ in every run, submitted in two workloads:
 - ``mixed``: six 2.5k-token prompts that decode 96 tokens, followed by 20k and
   12k-token prompts whose chunks (4096 tokens a step) are scheduled beside the
   running decodes, so steps mix decode and prefill rows.
+
+``--mtp K`` speculates K tokens a step with the MTP draft in ``DIR/mtp``
+(``make-tiny-model --mtp-modules N``), so the target verifies 1 + K query
+tokens per decoding request; the draft gets the layer prefix of
+``mtp_draft.install()``. Stats logging is on for those runs: the JSON gets vLLM's
+spec-decode counters (``spec_decode``), the speculative config and each
+MiniMax M3 sparse layer's indexer impl class (``sparse_layers``).
 
 A configuration the engine refuses at start is recorded as ``error``.
 """
@@ -71,18 +78,64 @@ def request_result(output) -> dict:
     }
 
 
+def spec_decode_counters(llm) -> dict[str, int | list[int]]:
+    """vLLM's spec-decode metrics (drafts, draft tokens, accepted tokens, per position)."""
+    counters: dict[str, int | list[int]] = {}
+    for metric in llm.get_metrics():
+        if "spec_decode" not in metric.name:
+            continue
+        value = getattr(metric, "values", None)
+        counters[metric.name] = list(value) if value is not None else metric.value
+    return counters
+
+
+def sparse_layer_impls(worker) -> dict[str, str]:
+    """Per MiniMax M3 sparse attention layer of the engine (target and draft): the class
+    of its indexer impl. Runs inside the worker (`LLM.collective_rpc`)."""
+    context = worker.vllm_config.compilation_config.static_forward_context
+    return {
+        name: type(layer.indexer.impl).__name__
+        for name, layer in sorted(context.items())
+        if hasattr(layer, "indexer")
+    }
+
+
+def speculative_summary(llm) -> dict | None:
+    spec = llm.llm_engine.vllm_config.speculative_config
+    if spec is None:
+        return None
+    draft = spec.draft_model_config
+    return {
+        "method": spec.method,
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "draft_model": draft.model,
+        "draft_model_type": draft.hf_config.model_type,
+        "draft_architectures": list(draft.architectures),
+    }
+
+
 def run(args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    sys.path.insert(0, str(Path(__file__).parent))
     audit = None
     if args.audit:
-        sys.path.insert(0, str(Path(__file__).parent))
         import selection_audit
 
         selection_audit.install()
         audit = selection_audit.AUDIT
+    speculative_config = None
+    if args.mtp:
+        import mtp_draft
+
+        mtp_draft.install()
+        speculative_config = {
+            "method": "mtp",
+            "model": str(Path(args.model) / "mtp"),
+            "num_speculative_tokens": args.mtp,
+        }
 
     started = time.perf_counter()
     llm = LLM(
@@ -99,8 +152,16 @@ def run(args: argparse.Namespace) -> dict:
             "indexer_kv_dtype": args.kv_dtype,
             "minimax_m3_indexer_backend": args.backend,
         },
+        speculative_config=speculative_config,
+        disable_log_stats=not args.mtp,
     )
     result: dict = {"engine_start_s": round(time.perf_counter() - started, 1)}
+    if args.mtp:
+        result["speculative"] = speculative_summary(llm)
+        try:
+            result["sparse_layers"] = llm.collective_rpc(sparse_layer_impls)[0]
+        except Exception as exc:  # the workloads still run; the tests report it
+            result["sparse_layers_error"] = f"{type(exc).__name__}: {exc}"
     vocab_size = llm.get_tokenizer().vocab_size
     prompts = make_prompts(min(vocab_size, llm.llm_engine.model_config.get_vocab_size()))
     result["workloads"] = {}
@@ -124,6 +185,8 @@ def run(args: argparse.Namespace) -> dict:
         }
     if audit is not None:
         result["audit"] = audit.summary()
+    if args.mtp:
+        result["spec_decode"] = spec_decode_counters(llm)
     return result
 
 
@@ -134,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-dtype", choices=["fp8", "bf16"], default="fp8")
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs on (not eager)")
     parser.add_argument("--audit", action="store_true", help="check FlashInfer selections")
+    parser.add_argument(
+        "--mtp",
+        type=int,
+        default=0,
+        metavar="K",
+        help="speculative decoding with the MTP draft in MODEL/mtp, K tokens a step",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)

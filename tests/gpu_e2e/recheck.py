@@ -1,11 +1,13 @@
-"""Run test_engine.py's checks over saved engine runs, on any machine.
+"""Run test_engine.py's and test_mtp.py's checks over saved engine runs, on any machine.
 
     python tests/gpu_e2e/recheck.py DIR [--capability 9.0]
 
 DIR holds the `<run>.json` / `<run>.log` pairs a GPU session wrote
 (`VLLM_MINIMAX_E2E_DIR`, or `results/h200-e2e/engine-runs.tar.gz` unpacked);
-`--capability` is the GPU they came from. Prints PASS/FAIL per check and writes
-DIR/summary.json. Nothing runs on a GPU here: this re-reads what one produced.
+`--capability` is the GPU they came from. Prints PASS/FAIL per check, or SKIP
+where a run it needs is not in DIR (e.g. saved before the `mtp-*` runs existed),
+and writes DIR/summary.json. Nothing runs on a GPU here: this re-reads what one
+produced.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import conftest
 import test_engine
+import test_mtp
 
 PARAMETERS = {
     "test_selected_indexer_is_logged": [{"name": n} for n in sorted(test_engine.EXPECTED_LOG)],
@@ -32,7 +35,30 @@ PARAMETERS = {
     ],
     "test_prompt_logprobs_agree": [{"mode": m} for m in sorted(test_engine.PAIRS)],
     "test_greedy_tokens_agree": [{"mode": m} for m in sorted(test_engine.PAIRS)],
+    "test_engine_ran_the_mtp_draft": [{"name": n} for n in test_mtp.MTP_RUNS],
+    "test_speculative_decoding_ran": [{"name": n} for n in test_mtp.MTP_RUNS],
+    "test_forced_indexer_serves_target_and_draft": [{"name": n} for n in test_mtp.MTP_RUNS],
+    "test_greedy_tokens_match_the_run_without_mtp": [{"name": n} for n in test_mtp.MTP_RUNS],
 }
+
+
+class RunAbsent(Exception):
+    """A check needs an engine run that the directory does not hold."""
+
+
+class SavedRuns(dict):
+    def __missing__(self, name: str):
+        raise RunAbsent(name)
+
+
+def load_runs(directory: Path) -> SavedRuns:
+    runs = SavedRuns()
+    for name in conftest.ENGINE_RUNS:
+        result, log = directory / f"{name}.json", directory / f"{name}.log"
+        if result.exists():
+            text = log.read_text(errors="replace") if log.exists() else ""
+            runs[name] = conftest.EngineResult(name, json.loads(result.read_text()), text)
+    return runs
 
 
 def main() -> int:
@@ -40,32 +66,28 @@ def main() -> int:
     parser.add_argument("directory", type=Path)
     parser.add_argument("--capability", default="9.0")
     args = parser.parse_args()
-    results = {
-        name: conftest.EngineResult(
-            name,
-            json.loads((args.directory / f"{name}.json").read_text()),
-            (args.directory / f"{name}.log").read_text(errors="replace"),
-        )
-        for name in conftest.ENGINE_RUNS
-    }
+    results = load_runs(args.directory)
     test_engine._sm90 = lambda: args.capability == "9.0"
     failed = 0
-    for name, function in inspect.getmembers(test_engine, inspect.isfunction):
-        if not name.startswith("test_"):
-            continue
-        for params in PARAMETERS.get(name, [{}]):
-            wanted = inspect.signature(function).parameters
-            kwargs = dict(params)
-            if "engine_results" in wanted:
-                kwargs["engine_results"] = results
-            if "e2e_dir" in wanted:
-                kwargs["e2e_dir"] = args.directory
-            try:
-                function(**kwargs)
-                print(f"PASS {name} {params}")
-            except AssertionError as exc:
-                failed += 1
-                print(f"FAIL {name} {params}: {str(exc)[:300]}")
+    for module in (test_engine, test_mtp):
+        for name, function in inspect.getmembers(module, inspect.isfunction):
+            if not name.startswith("test_") or function.__module__ != module.__name__:
+                continue
+            for params in PARAMETERS.get(name, [{}]):
+                wanted = inspect.signature(function).parameters
+                kwargs = dict(params)
+                if "engine_results" in wanted:
+                    kwargs["engine_results"] = results
+                if "e2e_dir" in wanted:
+                    kwargs["e2e_dir"] = args.directory
+                try:
+                    function(**kwargs)
+                    print(f"PASS {name} {params}")
+                except RunAbsent as absent:
+                    print(f"SKIP {name} {params}: no saved run {absent}")
+                except AssertionError as exc:
+                    failed += 1
+                    print(f"FAIL {name} {params}: {str(exc)[:300]}")
     return 1 if failed else 0
 
 

@@ -11,6 +11,11 @@ multiset, so two selections that pass differ only by tied scores). Each call's
 `num_valid_pages` is also checked against the causal extent recomputed from its
 `cu_seqlens_q` and `seqused_k` (right-aligned queries, as vLLM places them).
 
+Kinds are `decode`, `prefill`, or `mixed-` either in a step with both; an MTP
+draft's layers (`mtp_draft`) count as `draft-` kinds. Decode calls also count
+their rows by query length (`decode_query_lens`): 1 + K for a target verifying K
+speculated tokens.
+
 Only while `AUDIT.enabled` (the driver turns it on around its own requests;
 warm-up, profiling and capture batches run over uninitialised cache pages).
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import mtp_draft
 import torch
 
 from vllm_minimax import reference
@@ -34,6 +40,7 @@ class AuditCounts:
     rows: int = 0
     value_rows: int = 0
     problems: list[str] = field(default_factory=list)
+    decode_query_lens: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,6 +64,9 @@ class Audit:
                     "value_rows": c.value_rows,
                     "problems": c.problems[:10],
                     "num_problems": len(c.problems),
+                    "decode_query_lens": {
+                        str(q): rows for q, rows in sorted(c.decode_query_lens.items())
+                    },
                 }
                 for kind, c in self.by_kind.items()
             },
@@ -94,11 +104,17 @@ def _audit_step(impl, index_query: torch.Tensor) -> None:
     kinds = {call.is_prefill for call in md.calls}
     mixed = len(kinds) == 2
     AUDIT.mixed_steps += int(mixed)
+    layer = "draft-" if mtp_draft.is_draft_layer_name(impl.index_cache.prefix) else ""
     covered = 0
     for call in md.calls:
-        kind = ("mixed-" if mixed else "") + ("prefill" if call.is_prefill else "decode")
+        side = "prefill" if call.is_prefill else "decode"
+        kind = layer + ("mixed-" if mixed else "") + side
         counts = AUDIT.counts(kind)
         counts.calls += 1
+        if not call.is_prefill:
+            rows = call.token_end - call.token_start
+            lens = counts.decode_query_lens
+            lens[call.max_seqlen_q] = lens.get(call.max_seqlen_q, 0) + rows
         if call.token_start != covered:
             counts.problems.append(f"calls leave a gap at token {covered}")
         covered = call.token_end

@@ -1,0 +1,161 @@
+"""MTP speculative decoding on the tiny MiniMax M3: the target's sparse indexer
+verifying 1 + K query tokens per decoding request.
+
+The `mtp-*` runs (conftest.py) are the eager runs of test_engine.py with the
+tiny checkpoint's MTP draft (`make-tiny-model --mtp-modules 1`, in `DIR/mtp`)
+speculating K tokens a step. The draft is random, so few drafts are accepted;
+what matters is that every decode step of the target verifies K + 1 tokens per
+request, through the same indexer.
+
+- The engine ran the draft (`speculative` in the JSON) and vLLM counted drafts
+  and draft tokens (its spec-decode metrics).
+- The forced indexer serves every sparse layer, the target's and the draft's
+  (the draft's MTP layer is a sparse-attention layer built from the same
+  attention config).
+- The FlashInfer MTP run's audit (selection_audit.py) checks every row, among
+  them decode calls of K + 1 query tokens per request (the target's
+  verification) and the draft's own rows.
+- Greedy tokens of an MTP run equal the same backend's run without MTP, except
+  where that run's top two lay within the perturbation the pair already shows:
+  the largest prompt-logprob difference, or sampled-token logprob difference
+  before the parting step (the verify batches differ in shape from plain decode,
+  and so do the prefill chunks that share a step with them).
+- FlashInfer against Triton, both with MTP: test_engine.py's criteria.
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_engine
+from mtp_draft import is_draft_layer_name
+
+# The MTP runs of conftest.ENGINE_RUNS -> the same backend's eager run without
+# speculation. K comes from each run's own recorded config (`--mtp K`).
+WITHOUT_MTP = {
+    "mtp-triton-eager": "triton-eager",
+    "mtp-flashinfer-eager": "flashinfer-eager",
+}
+MTP_RUNS = sorted(WITHOUT_MTP)
+BACKEND_PAIR = ("mtp-flashinfer-eager", "mtp-triton-eager")
+INDEXER_IMPL = {
+    "mtp-triton-eager": "MiniMaxM3IndexerTritonImpl",
+    "mtp-flashinfer-eager": "MiniMaxM3IndexerFlashInferImpl",
+}
+SPEC_DECODE_PREFIX = "vllm:spec_decode_"
+
+
+def speculated_tokens(run) -> int:
+    return int(run.data["config"]["mtp"])
+
+
+def spec_decode_counter(counters: dict, name: str):
+    """A spec-decode counter by its short name (`num_drafts`, `num_draft_tokens`, ...),
+    with or without Prometheus's `_total` suffix."""
+    for full_name, value in counters.items():
+        short = full_name.removeprefix(SPEC_DECODE_PREFIX).removesuffix("_total")
+        if short == name:
+            return value
+    raise AssertionError(f"no spec-decode counter {name!r} in {sorted(counters)}")
+
+
+def sampled_logprob_delta(a: dict, b: dict) -> float:
+    """Largest |logprob| difference of the sampled token over the steps where two
+    greedy completions still agree."""
+    largest = 0.0
+    for step_a, step_b in zip(a["steps"], b["steps"], strict=False):
+        if step_a["token"] != step_b["token"]:
+            break
+        lp_a = dict((tok, lp) for tok, lp in step_a["top"]).get(step_a["token"])
+        lp_b = dict((tok, lp) for tok, lp in step_b["top"]).get(step_b["token"])
+        if lp_a is not None and lp_b is not None:
+            largest = max(largest, abs(lp_a - lp_b))
+    return largest
+
+
+@pytest.mark.parametrize("name", MTP_RUNS)
+def test_engine_ran_the_mtp_draft(engine_results, name):
+    run = test_engine._ok(engine_results, name)
+    spec = run.data["speculative"]
+    assert speculated_tokens(run) > 0, run.data["config"]
+    assert spec["method"] == "mtp", spec
+    assert spec["num_speculative_tokens"] == speculated_tokens(run), spec
+    assert spec["draft_model_type"] == "minimax_m3_mtp", spec
+    assert spec["draft_architectures"] == ["MiniMaxM3MTP"], spec
+    assert spec["draft_model"].rstrip("/").endswith("/mtp"), spec
+
+
+@pytest.mark.parametrize("name", MTP_RUNS)
+def test_speculative_decoding_ran(engine_results, e2e_dir, name):
+    run = test_engine._ok(engine_results, name)
+    counters = run.data["spec_decode"]
+    test_engine._summary(e2e_dir, f"spec_decode/{name}", counters)
+    drafts = spec_decode_counter(counters, "num_drafts")
+    draft_tokens = spec_decode_counter(counters, "num_draft_tokens")
+    accepted = spec_decode_counter(counters, "num_accepted_tokens")
+    assert drafts > 0 and draft_tokens > 0, counters
+    assert draft_tokens <= speculated_tokens(run) * drafts, counters
+    assert 0 <= accepted <= draft_tokens, counters
+
+
+@pytest.mark.parametrize("name", MTP_RUNS)
+def test_forced_indexer_serves_target_and_draft(engine_results, name):
+    run = test_engine._ok(engine_results, name)
+    base = WITHOUT_MTP[name]
+    lines = [line for line in run.log.splitlines() if "MiniMax M3 indexer: selected" in line]
+    assert lines, f"{name}: no selection line in the engine log"
+    assert all(test_engine.EXPECTED_LOG[base] in line for line in lines), lines
+    assert "sparse_layers_error" not in run.data, run.data["sparse_layers_error"]
+    layers = run.data["sparse_layers"]
+    draft = {n: impl for n, impl in layers.items() if is_draft_layer_name(n)}
+    target = {n: impl for n, impl in layers.items() if not is_draft_layer_name(n)}
+    assert draft and target, layers
+    assert set(layers.values()) == {INDEXER_IMPL[name]}, layers
+
+
+def test_mtp_audit_covers_multi_token_decode(engine_results, e2e_dir):
+    name = "mtp-flashinfer-eager"
+    run = test_engine._ok(engine_results, name)
+    audit = run.data["audit"]
+    test_engine._summary(e2e_dir, f"audit/{name}", audit)
+    kinds = audit["by_kind"]
+    assert audit["steps"] > 0 and audit["mixed_steps"] > 0, audit
+    for kind, counts in kinds.items():
+        assert counts["num_problems"] == 0, (kind, counts["problems"])
+        assert counts["rows"] > 0 and counts["value_rows"] == counts["rows"], (kind, counts)
+    verify_len = str(1 + speculated_tokens(run))
+    assert kinds["decode"]["decode_query_lens"].get(verify_len, 0) > 0, kinds["decode"]
+    draft_kinds = {kind for kind in kinds if kind.startswith("draft-")}
+    assert "draft-decode" in draft_kinds, sorted(kinds)
+    # The draft's own steps after its first: one query token per request.
+    assert kinds["draft-decode"]["decode_query_lens"].get("1", 0) > 0, kinds["draft-decode"]
+
+
+@pytest.mark.parametrize("name", MTP_RUNS)
+def test_greedy_tokens_match_the_run_without_mtp(engine_results, e2e_dir, name):
+    base = WITHOUT_MTP[name]
+    prompt_delta = test_engine.prompt_comparison(engine_results, name, base)["max"]
+    test_engine._summary(
+        e2e_dir,
+        f"prompt_logprobs/{name}-vs-{base}",
+        test_engine.prompt_comparison(engine_results, name, base),
+    )
+    decode_delta = max(
+        sampled_logprob_delta(with_mtp, without)
+        for with_mtp, without in test_engine.request_pairs(engine_results, name, base)
+    )
+    test_engine.assert_greedy_tokens_agree(
+        engine_results,
+        e2e_dir,
+        f"{name}-vs-{base}",
+        name,
+        base,
+        perturbation=max(prompt_delta, decode_delta),
+    )
+
+
+def test_prompt_logprobs_agree_flashinfer_vs_triton_with_mtp(engine_results, e2e_dir):
+    test_engine.assert_prompt_logprobs_agree(engine_results, e2e_dir, "mtp-eager", BACKEND_PAIR)
+
+
+def test_greedy_tokens_agree_flashinfer_vs_triton_with_mtp(engine_results, e2e_dir):
+    test_engine.assert_greedy_tokens_agree(engine_results, e2e_dir, "mtp-eager", *BACKEND_PAIR)
