@@ -172,6 +172,26 @@ def test_default_arms_are_the_indexer_backends_merged_into_the_serve_config():
 
 
 @pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "serve config .* does not exist"),
+        ("max-model-len: [1024", "serve config .* is not valid YAML"),
+        ("- max-model-len", "serve config .*: expected a mapping at the top level"),
+    ],
+)
+def test_bad_serve_config_is_refused_before_any_server_starts(tmp_path, content, message):
+    path = tmp_path / "serve.yaml"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(EvalError, match=message):
+        ab.load_serve_config(path)
+    if content is None:
+        return
+    path.write_text("")
+    assert ab.load_serve_config(path) == {}
+
+
+@pytest.mark.parametrize(
     ("text", "message"),
     [
         ("noequals", "expected NAME=JSON"),

@@ -28,7 +28,7 @@ import yaml
 
 from vllm_minimax.evals import report
 from vllm_minimax.evals.accuracy import DEFAULT_Z, Score, compare_all, run_accuracy
-from vllm_minimax.evals.common import EvalError, progress, write_json
+from vllm_minimax.evals.common import EvalError, progress, read_yaml_mapping, write_json
 from vllm_minimax.evals.presets import AccuracyPreset, ThroughputPreset
 from vllm_minimax.evals.server import ServerError, VllmServer
 from vllm_minimax.evals.throughput import Vocabulary, run_throughput
@@ -76,19 +76,10 @@ def merge_server_args(config: Mapping[str, Any], arm_args: Mapping[str, Any]) ->
 
 
 def load_serve_config(path: Path | None) -> dict[str, Any]:
+    """The ``vllm serve --config`` file the arms are merged into (none: ``{}``)."""
     if path is None:
         return {}
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except FileNotFoundError:
-        raise EvalError(f"serve config {path} does not exist") from None
-    except yaml.YAMLError as error:
-        raise EvalError(f"serve config {path} is not valid YAML: {error}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise EvalError(f"serve config {path}: expected a mapping of `vllm serve` arguments")
-    return data
+    return read_yaml_mapping(path, "serve config", empty_ok=True)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,23 @@ def read_json(path: Path, what: str) -> Any:
         raise EvalError(f"{what} {path} is not valid JSON: {error}") from None
 
 
+def read_yaml_mapping(path: Path, what: str, empty_ok: bool = False) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping (an empty file is ``{}`` if ``empty_ok``)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise EvalError(f"{what} {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise EvalError(f"{what} {path} is not valid YAML: {error}") from None
+    if data is None and empty_ok:
+        return {}
+    if not isinstance(data, dict):
+        raise EvalError(f"{what} {path}: expected a mapping at the top level")
+    return data
+
+
 def progress(message: str) -> None:
     """One progress line on stderr, with the seconds since the command started."""
     print(f"[{time.monotonic() - _START:6.0f}s] {message}", file=sys.stderr, flush=True)

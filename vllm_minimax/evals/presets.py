@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from vllm_minimax.evals.common import EvalError
+from vllm_minimax.evals.common import EvalError, read_yaml_mapping
 
 EVAL_CONFIGS_ENV = "VLLM_MINIMAX_EVAL_CONFIGS"
 KINDS = ("accuracy", "throughput")
@@ -61,16 +59,6 @@ def preset_path(kind: str, name_or_path: str) -> Path:
     return path
 
 
-def _load_mapping(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise EvalError(f"{path} is not valid YAML: {error}") from None
-    if not isinstance(data, dict):
-        raise EvalError(f"{path}: expected a mapping at the top level")
-    return data
-
-
 @dataclass(frozen=True)
 class AccuracyTask:
     """One lm-eval task and the result keys (``metric,filter``) that are compared."""
@@ -96,7 +84,7 @@ class AccuracyPreset:
 
 def load_accuracy_preset(name_or_path: str) -> AccuracyPreset:
     path = preset_path("accuracy", name_or_path)
-    data = _load_mapping(path)
+    data = read_yaml_mapping(path, "preset file")
     model_type = data.get("model_type", "local-completions")
     if model_type not in LM_EVAL_MODEL_TYPES:
         raise EvalError(f"{path}: model_type must be one of {', '.join(LM_EVAL_MODEL_TYPES)}")
@@ -164,7 +152,7 @@ def _positive_int(value: Any, where: str) -> int:
 
 def load_throughput_preset(name_or_path: str) -> ThroughputPreset:
     path = preset_path("throughput", name_or_path)
-    data = _load_mapping(path)
+    data = read_yaml_mapping(path, "preset file")
     raw = data.get("scenarios")
     if not isinstance(raw, list) or not raw:
         raise EvalError(f"{path}: `scenarios` must be a non-empty list")
