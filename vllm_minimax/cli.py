@@ -141,6 +141,13 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
             "--model", required=True, help="the model name the server serves (its --model)"
         )
 
+    def preset_option(parser: argparse.ArgumentParser, kind: str, default: str) -> None:
+        parser.add_argument(
+            "--preset",
+            default=default,
+            help=f"{kind} preset from configs/evals/{kind}/ or a .yaml path (default: {default})",
+        )
+
     def accuracy_options(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--limit", type=int, metavar="N", help="at most N samples per task (for a quick try)"
@@ -157,11 +164,7 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     )
     client(accuracy_parser)
     common(accuracy_parser)
-    accuracy_parser.add_argument(
-        "--preset",
-        default="gsm8k",
-        help="accuracy preset from configs/evals/accuracy/ or a .yaml path (default: gsm8k)",
-    )
+    preset_option(accuracy_parser, "accuracy", "gsm8k")
     accuracy_options(accuracy_parser)
     accuracy_parser.add_argument(
         "--baseline", type=Path, metavar="JSON", help="an accuracy.json of an earlier run"
@@ -173,11 +176,7 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     )
     client(throughput_parser)
     common(throughput_parser)
-    throughput_parser.add_argument(
-        "--preset",
-        default="indexer",
-        help="throughput preset from configs/evals/throughput/ or a .yaml path (default: indexer)",
-    )
+    preset_option(throughput_parser, "throughput", "indexer")
     throughput_parser.set_defaults(handler=run_eval_throughput)
 
     ab_parser = eval_commands.add_parser(

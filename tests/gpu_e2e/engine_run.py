@@ -34,6 +34,8 @@ import time
 import traceback
 from pathlib import Path
 
+from vllm_minimax.tiny_model import MTP_SUBDIRECTORY
+
 WORKLOADS = {
     # name: [(prompt tokens, max new tokens), ...] in submission order
     "long": [(8192, 24), (16384, 24), (30000, 24)],
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
         mtp_draft.install()
         speculative_config = {
             "method": "mtp",
-            "model": str(Path(args.model) / "mtp"),
+            "model": str(Path(args.model) / MTP_SUBDIRECTORY),
             "num_speculative_tokens": args.mtp,
         }
 

@@ -133,12 +133,9 @@ def test_mtp_audit_covers_multi_token_decode(engine_results, e2e_dir):
 @pytest.mark.parametrize("name", MTP_RUNS)
 def test_greedy_tokens_match_the_run_without_mtp(engine_results, e2e_dir, name):
     base = WITHOUT_MTP[name]
-    prompt_delta = test_engine.prompt_comparison(engine_results, name, base)["max"]
-    test_engine._summary(
-        e2e_dir,
-        f"prompt_logprobs/{name}-vs-{base}",
-        test_engine.prompt_comparison(engine_results, name, base),
-    )
+    prompt_stats = test_engine.prompt_comparison(engine_results, name, base)
+    test_engine._summary(e2e_dir, f"prompt_logprobs/{name}-vs-{base}", prompt_stats)
+    prompt_delta = prompt_stats["max"]
     decode_delta = max(
         sampled_logprob_delta(with_mtp, without)
         for with_mtp, without in test_engine.request_pairs(engine_results, name, base)

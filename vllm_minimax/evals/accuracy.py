@@ -28,7 +28,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_minimax.evals.common import EvalError, progress, read_json, require, write_json
+from vllm_minimax.evals.common import (
+    EvalError,
+    log_tail,
+    progress,
+    read_json,
+    require,
+    write_json,
+)
 from vllm_minimax.evals.presets import AccuracyPreset, AccuracyTask
 
 DEFAULT_Z = 1.96
@@ -241,12 +248,12 @@ def run_accuracy(
             )
         results_file = newest_results_file(task_dir)
         if code != 0 or results_file is None:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
             summary["error"] = f"lm-eval failed for task {task.task!r} (exit status {code})"
             write_json(summary_path, summary)
             raise EvalError(
                 f"lm-eval failed for task {task.task!r} (exit status {code}); last lines of"
-                f" {log_path}:\n{tail}\nscores of the finished tasks are in {summary_path}"
+                f" {log_path}:\n{log_tail(log_path, LOG_TAIL_LINES)}\n"
+                f"scores of the finished tasks are in {summary_path}"
             )
         scores = scores_from_results(results_file, task)
         summary["scores"] += [asdict(score) for score in scores]

@@ -63,6 +63,15 @@ def read_yaml_mapping(path: Path, what: str, empty_ok: bool = False) -> dict[str
     return data
 
 
+def log_tail(log_path: Path, lines: int) -> str:
+    """The last ``lines`` lines of a log, for an error message."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
 def progress(message: str) -> None:
     """One progress line on stderr, with the seconds since the command started."""
     print(f"[{time.monotonic() - _START:6.0f}s] {message}", file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
-from vllm_minimax.evals.common import EvalError, progress
+from vllm_minimax.evals.common import EvalError, log_tail, progress
 
 DEFAULT_SERVER_COMMAND = "vllm serve"
 LOG_TAIL_LINES = 40
@@ -38,14 +38,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
-
-
-def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def is_healthy(base_url: str, timeout: float = 5.0) -> bool:
@@ -133,14 +125,14 @@ class VllmServer:
                 self.stop()  # its children may live on in the group
                 raise ServerError(
                     f"the server exited with status {code} before it was ready; last lines of"
-                    f" {self.log_path}:\n{log_tail(self.log_path)}"
+                    f" {self.log_path}:\n{log_tail(self.log_path, LOG_TAIL_LINES)}"
                 )
             if time.monotonic() > deadline:
                 self.stop()
                 raise ServerError(
                     f"the server did not answer {self.base_url}/health within"
                     f" {self.startup_timeout:.0f} s; last lines of {self.log_path}:\n"
-                    f"{log_tail(self.log_path)}"
+                    f"{log_tail(self.log_path, LOG_TAIL_LINES)}"
                 )
             time.sleep(1.0)
         self.startup_seconds = time.monotonic() - started
@@ -152,7 +144,7 @@ class VllmServer:
         if self.process is not None and self.process.poll() is not None:
             raise ServerError(
                 f"the server exited with status {self.process.returncode} during the run;"
-                f" last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+                f" last lines of {self.log_path}:\n{log_tail(self.log_path, LOG_TAIL_LINES)}"
             )
 
     def stop(self, grace: float = 30.0) -> None:

@@ -238,6 +238,20 @@ def run_throughput(
         "scenarios": [],
     }
     write_json(out_path, results)
+
+    def send(
+        prompts: list[tuple[list[int], RequestShape]], concurrency: int, label: str
+    ) -> tuple[list[RequestTiming], float]:
+        """One level (or warm-up); a failed request is recorded in ``out_path``, then raised."""
+        try:
+            return asyncio.run(run_level(base_url, model, prompts, concurrency, label))
+        except RequestFailed as error:
+            results["error"] = f"{label}: {error}"
+            write_json(out_path, results)
+            raise EvalError(
+                f"{label}: {error}\nresults of the finished levels are in {out_path}"
+            ) from None
+
     for scenario in preset.scenarios:
         prompts = scenario_prompts(scenario, vocabulary, preset.seed)
         record: dict[str, Any] = {
@@ -249,26 +263,11 @@ def run_throughput(
         }
         results["scenarios"].append(record)
         warmup = warmup_prompts(scenario, vocabulary, preset.seed)
-        label = f"throughput {scenario.name} warm-up"
-        try:
-            asyncio.run(run_level(base_url, model, warmup, len(warmup), label))
-        except RequestFailed as error:
-            results["error"] = f"{label}: {error}"
-            write_json(out_path, results)
-            raise EvalError(f"{label}: {error}") from None
+        send(warmup, len(warmup), f"throughput {scenario.name} warm-up")
         for concurrency in scenario.concurrency:
             label = f"throughput {scenario.name} concurrency {concurrency}"
             progress(f"{label}: {len(prompts)} requests")
-            try:
-                timings, duration = asyncio.run(
-                    run_level(base_url, model, prompts, concurrency, label)
-                )
-            except RequestFailed as error:
-                results["error"] = f"{label}: {error}"
-                write_json(out_path, results)
-                raise EvalError(
-                    f"{label}: {error}\nresults of the finished levels are in {out_path}"
-                ) from None
+            timings, duration = send(prompts, concurrency, label)
             metrics = level_metrics(timings, duration)
             record["levels"].append({"concurrency": concurrency, **metrics})
             write_json(out_path, results)
