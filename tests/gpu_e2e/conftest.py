@@ -57,6 +57,8 @@ ENGINE_RUNS = {
     "bf16-flashinfer-eager": EngineRun("flashinfer", kv_dtype="bf16"),
     "mtp-triton-eager": EngineRun("triton", mtp=E2E_MTP_TOKENS),
     "mtp-flashinfer-eager": EngineRun("flashinfer", audit=True, mtp=E2E_MTP_TOKENS),
+    "mtp-triton-graphs": EngineRun("triton", graphs=True, mtp=E2E_MTP_TOKENS),
+    "mtp-flashinfer-graphs": EngineRun("flashinfer", graphs=True, audit=True, mtp=E2E_MTP_TOKENS),
 }
 
 

@@ -39,6 +39,13 @@ PARAMETERS = {
     "test_speculative_decoding_ran": [{"name": n} for n in test_mtp.MTP_RUNS],
     "test_forced_indexer_serves_target_and_draft": [{"name": n} for n in test_mtp.MTP_RUNS],
     "test_greedy_tokens_match_the_run_without_mtp": [{"name": n} for n in test_mtp.MTP_RUNS],
+    "test_mtp_graphs_reproduce_eager": [{"eager": n} for n in sorted(test_mtp.GRAPHS_OF_EAGER)],
+    "test_prompt_logprobs_agree_flashinfer_vs_triton_with_mtp": [
+        {"mode": m} for m in sorted(test_mtp.BACKEND_PAIRS)
+    ],
+    "test_greedy_tokens_agree_flashinfer_vs_triton_with_mtp": [
+        {"mode": m} for m in sorted(test_mtp.BACKEND_PAIRS)
+    ],
 }
 
 

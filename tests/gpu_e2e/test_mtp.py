@@ -21,6 +21,12 @@ request, through the same indexer.
   before the parting step (the verify batches differ in shape from plain decode,
   and so do the prefill chunks that share a step with them).
 - FlashInfer against Triton, both with MTP: test_engine.py's criteria.
+- With CUDA graphs on (the `mtp-*-graphs` runs): uniform verification batches
+  of K + 1 tokens per request are captured in full graphs with the indexer
+  inside, so the FlashInfer run's audit sees far fewer pure decode calls than
+  the eager run's; every row it does see is a reference top-k; and graphs
+  reproduce eager bit for bit when the two runs accepted the same drafts (the
+  same steps then have the same shapes), else within the rule above.
 """
 
 from __future__ import annotations
@@ -29,18 +35,29 @@ import pytest
 import test_engine
 from mtp_draft import is_draft_layer_name
 
-# The MTP runs of conftest.ENGINE_RUNS -> the same backend's eager run without
-# speculation. K comes from each run's own recorded config (`--mtp K`).
+# The MTP runs of conftest.ENGINE_RUNS -> the same backend's run without
+# speculation, eager or with graphs. K comes from each run's own recorded config
+# (`--mtp K`).
 WITHOUT_MTP = {
     "mtp-triton-eager": "triton-eager",
     "mtp-flashinfer-eager": "flashinfer-eager",
+    "mtp-triton-graphs": "triton-graphs",
+    "mtp-flashinfer-graphs": "auto-graphs",
 }
 MTP_RUNS = sorted(WITHOUT_MTP)
-BACKEND_PAIR = ("mtp-flashinfer-eager", "mtp-triton-eager")
-INDEXER_IMPL = {
-    "mtp-triton-eager": "MiniMaxM3IndexerTritonImpl",
-    "mtp-flashinfer-eager": "MiniMaxM3IndexerFlashInferImpl",
+BACKEND_PAIRS = {
+    "mtp-eager": ("mtp-flashinfer-eager", "mtp-triton-eager"),
+    "mtp-graphs": ("mtp-flashinfer-graphs", "mtp-triton-graphs"),
 }
+GRAPHS_OF_EAGER = {
+    "mtp-triton-eager": "mtp-triton-graphs",
+    "mtp-flashinfer-eager": "mtp-flashinfer-graphs",
+}
+INDEXER_IMPL = {
+    "triton": "MiniMaxM3IndexerTritonImpl",
+    "flashinfer": "MiniMaxM3IndexerFlashInferImpl",
+}
+FULL_GRAPH_CAPTURE = "Capturing CUDA graphs (FULL)"
 SPEC_DECODE_PREFIX = "vllm:spec_decode_"
 
 
@@ -109,19 +126,25 @@ def test_forced_indexer_serves_target_and_draft(engine_results, name):
     draft = {n: impl for n, impl in layers.items() if is_draft_layer_name(n)}
     target = {n: impl for n, impl in layers.items() if not is_draft_layer_name(n)}
     assert draft and target, layers
-    assert set(layers.values()) == {INDEXER_IMPL[name]}, layers
+    backend = "triton" if "triton" in name else "flashinfer"
+    assert set(layers.values()) == {INDEXER_IMPL[backend]}, layers
+
+
+def audited_kinds(engine_results, e2e_dir, name: str) -> dict:
+    """The run's audit by kind, after checking every audited row is clean."""
+    audit = test_engine._ok(engine_results, name).data["audit"]
+    test_engine._summary(e2e_dir, f"audit/{name}", audit)
+    assert audit["steps"] > 0 and audit["mixed_steps"] > 0, audit
+    for kind, counts in audit["by_kind"].items():
+        assert counts["num_problems"] == 0, (kind, counts["problems"])
+        assert counts["rows"] > 0 and counts["value_rows"] == counts["rows"], (kind, counts)
+    return audit["by_kind"]
 
 
 def test_mtp_audit_covers_multi_token_decode(engine_results, e2e_dir):
     name = "mtp-flashinfer-eager"
     run = test_engine._ok(engine_results, name)
-    audit = run.data["audit"]
-    test_engine._summary(e2e_dir, f"audit/{name}", audit)
-    kinds = audit["by_kind"]
-    assert audit["steps"] > 0 and audit["mixed_steps"] > 0, audit
-    for kind, counts in kinds.items():
-        assert counts["num_problems"] == 0, (kind, counts["problems"])
-        assert counts["rows"] > 0 and counts["value_rows"] == counts["rows"], (kind, counts)
+    kinds = audited_kinds(engine_results, e2e_dir, name)
     verify_len = str(1 + speculated_tokens(run))
     assert kinds["decode"]["decode_query_lens"].get(verify_len, 0) > 0, kinds["decode"]
     draft_kinds = {kind for kind in kinds if kind.startswith("draft-")}
@@ -132,7 +155,12 @@ def test_mtp_audit_covers_multi_token_decode(engine_results, e2e_dir):
 
 @pytest.mark.parametrize("name", MTP_RUNS)
 def test_greedy_tokens_match_the_run_without_mtp(engine_results, e2e_dir, name):
-    base = WITHOUT_MTP[name]
+    assert_greedy_within_perturbation(engine_results, e2e_dir, name, WITHOUT_MTP[name])
+
+
+def assert_greedy_within_perturbation(engine_results, e2e_dir, name: str, base: str):
+    """Greedy tokens of `name` equal `base`'s, or part only where `base`'s top two lay
+    within the pair's own largest prompt or sampled-token logprob difference."""
     prompt_stats = test_engine.prompt_comparison(engine_results, name, base)
     test_engine._summary(e2e_dir, f"prompt_logprobs/{name}-vs-{base}", prompt_stats)
     prompt_delta = prompt_stats["max"]
@@ -150,9 +178,42 @@ def test_greedy_tokens_match_the_run_without_mtp(engine_results, e2e_dir, name):
     )
 
 
-def test_prompt_logprobs_agree_flashinfer_vs_triton_with_mtp(engine_results, e2e_dir):
-    test_engine.assert_prompt_logprobs_agree(engine_results, e2e_dir, "mtp-eager", BACKEND_PAIR)
+def test_mtp_verification_replays_in_full_graphs(engine_results, e2e_dir):
+    """Pure verification steps replay inside full CUDA graphs, with the FlashInfer
+    indexer captured for K + 1 query tokens per request: no Python runs there, so
+    the graph run's audit sees at most half the eager run's pure decode calls."""
+    eager, graphs = "mtp-flashinfer-eager", "mtp-flashinfer-graphs"
+    graph_run = test_engine._ok(engine_results, graphs)
+    assert FULL_GRAPH_CAPTURE in graph_run.log, f"{graphs}: no full-graph capture in the log"
+    assert "is not supported with spec-decode" not in graph_run.log
+    eager_calls = test_engine._ok(engine_results, eager).data["audit"]["by_kind"]["decode"]["calls"]
+    kinds = audited_kinds(engine_results, e2e_dir, graphs)
+    graph_calls = kinds.get("decode", {}).get("calls", 0)
+    assert eager_calls > 0 and graph_calls <= eager_calls // 2, (graph_calls, eager_calls)
 
 
-def test_greedy_tokens_agree_flashinfer_vs_triton_with_mtp(engine_results, e2e_dir):
-    test_engine.assert_greedy_tokens_agree(engine_results, e2e_dir, "mtp-eager", *BACKEND_PAIR)
+@pytest.mark.parametrize("eager", sorted(GRAPHS_OF_EAGER))
+def test_mtp_graphs_reproduce_eager(engine_results, e2e_dir, eager):
+    """Bit for bit when both runs accepted the same drafts at each position (every
+    step then has the same shape, as without MTP: test_engine's
+    test_graphs_reproduce_eager); otherwise the verification batches differ, and
+    the greedy rule of test_greedy_tokens_match_the_run_without_mtp applies."""
+    graphs = GRAPHS_OF_EAGER[eager]
+    counters = [test_engine._ok(engine_results, n).data["spec_decode"] for n in (eager, graphs)]
+    accepted = [spec_decode_counter(c, "num_accepted_tokens_per_pos") for c in counters]
+    if accepted[0] == accepted[1]:
+        assert test_engine.prompt_comparison(engine_results, eager, graphs)["max"] == 0.0
+        for ra, rb in test_engine.request_pairs(engine_results, eager, graphs):
+            assert ra["token_ids"] == rb["token_ids"]
+        return
+    assert_greedy_within_perturbation(engine_results, e2e_dir, graphs, eager)
+
+
+@pytest.mark.parametrize("mode", sorted(BACKEND_PAIRS))
+def test_prompt_logprobs_agree_flashinfer_vs_triton_with_mtp(engine_results, e2e_dir, mode):
+    test_engine.assert_prompt_logprobs_agree(engine_results, e2e_dir, mode, BACKEND_PAIRS[mode])
+
+
+@pytest.mark.parametrize("mode", sorted(BACKEND_PAIRS))
+def test_greedy_tokens_agree_flashinfer_vs_triton_with_mtp(engine_results, e2e_dir, mode):
+    test_engine.assert_greedy_tokens_agree(engine_results, e2e_dir, mode, *BACKEND_PAIRS[mode])
