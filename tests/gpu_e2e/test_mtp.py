@@ -24,9 +24,9 @@ request, through the same indexer.
 - With CUDA graphs on (the `mtp-*-graphs` runs): uniform verification batches
   of K + 1 tokens per request are captured in full graphs with the indexer
   inside, so the FlashInfer run's audit sees far fewer pure decode calls than
-  the eager run's; every row it does see is a reference top-k; and graphs
-  reproduce eager bit for bit when the two runs accepted the same drafts (the
-  same steps then have the same shapes), else within the rule above.
+  the eager run's; every row it does see is a reference top-k; graphs reproduce
+  eager's prompt logprobs bit for bit, and its greedy tokens within the rule
+  above (graph replays round differently, a few hundredths of a nat).
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ INDEXER_IMPL = {
     "flashinfer": "MiniMaxM3IndexerFlashInferImpl",
 }
 FULL_GRAPH_CAPTURE = "Capturing CUDA graphs (FULL)"
+# Graph replay against eager, sampled-token logprobs (test_mtp_graphs_reproduce_eager).
+GRAPH_DECODE_TOL = 0.1
 SPEC_DECODE_PREFIX = "vllm:spec_decode_"
 
 
@@ -194,18 +196,21 @@ def test_mtp_verification_replays_in_full_graphs(engine_results, e2e_dir):
 
 @pytest.mark.parametrize("eager", sorted(GRAPHS_OF_EAGER))
 def test_mtp_graphs_reproduce_eager(engine_results, e2e_dir, eager):
-    """Bit for bit when both runs accepted the same drafts at each position (every
-    step then has the same shape, as without MTP: test_engine's
-    test_graphs_reproduce_eager); otherwise the verification batches differ, and
-    the greedy rule of test_greedy_tokens_match_the_run_without_mtp applies."""
+    """Prompt logprobs bit for bit; greedy tokens equal except at a near-tie.
+
+    Decode steps replayed in graphs carry other kernels' rounding (compiled
+    norms, padded GEMMs): their sampled-token logprobs differ from eager by a few
+    hundredths of a nat, without MTP too (`triton-eager` against `triton-graphs`:
+    7 steps, at most 0.060 on the H200). So the sampled logprobs must stay within
+    `GRAPH_DECODE_TOL`, and tokens may part only where the eager run's top two
+    lay within the difference measured before the parting."""
     graphs = GRAPHS_OF_EAGER[eager]
-    counters = [test_engine._ok(engine_results, n).data["spec_decode"] for n in (eager, graphs)]
-    accepted = [spec_decode_counter(c, "num_accepted_tokens_per_pos") for c in counters]
-    if accepted[0] == accepted[1]:
-        assert test_engine.prompt_comparison(engine_results, eager, graphs)["max"] == 0.0
-        for ra, rb in test_engine.request_pairs(engine_results, eager, graphs):
-            assert ra["token_ids"] == rb["token_ids"]
-        return
+    assert test_engine.prompt_comparison(engine_results, eager, graphs)["max"] == 0.0
+    decode_delta = max(
+        sampled_logprob_delta(in_graphs, in_eager)
+        for in_graphs, in_eager in test_engine.request_pairs(engine_results, graphs, eager)
+    )
+    assert decode_delta <= GRAPH_DECODE_TOL, decode_delta
     assert_greedy_within_perturbation(engine_results, e2e_dir, graphs, eager)
 
 
