@@ -182,7 +182,7 @@ def check_calls(md, batch, split) -> None:
         assert md.calls[0].token_end == decode_tokens
 
 
-@pytest.mark.parametrize("query_len", [1, 2])
+@pytest.mark.parametrize("query_len", [1, 2, 3])
 def test_full_graph_decode_reads_only_stable_buffers(query_len):
     """Uniform decode batches are captured in full CUDA graphs with the indexer
     inside (the base builder's UNIFORM_BATCH support; seen on the H200). vLLM
