@@ -294,6 +294,15 @@ def run_dev_export(args: argparse.Namespace) -> int:
 def run_make_tiny_model(args: argparse.Namespace) -> int:
     from vllm_minimax import tiny_model
 
+    if args.kind == "llama" and (args.initializer_range is not None or args.mtp_modules):
+        print(
+            "--initializer-range and --mtp-modules apply to --kind minimax-m3 only",
+            file=sys.stderr,
+        )
+        return 2
+    if args.initializer_range is not None and args.initializer_range <= 0:
+        print("--initializer-range must be positive", file=sys.stderr)
+        return 2
     if args.kind == "llama":
         from vllm_minimax.evals.tiny_llama import make_tiny_llama
 

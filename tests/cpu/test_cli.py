@@ -67,6 +67,24 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]
     assert "usage: vllm-minimax" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--kind=llama", "--mtp-modules=1"], "apply to --kind minimax-m3 only"),
+        (["--kind=llama", "--initializer-range=0.1"], "apply to --kind minimax-m3 only"),
+        (["--initializer-range=0"], "--initializer-range must be positive"),
+        (["--mtp-modules=-1"], "--mtp-modules must be 0 or more"),
+    ],
+)
+def test_make_tiny_model_refuses_options_it_would_ignore(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], message: str
+) -> None:
+    directory = tmp_path / "tiny"
+    assert main(["make-tiny-model", str(directory), *options]) == 2
+    assert message in capsys.readouterr().err
+    assert not directory.exists()
+
+
 def test_doctor_is_imported_lazily_and_gets_parsed_arguments(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
