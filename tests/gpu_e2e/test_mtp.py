@@ -36,8 +36,8 @@ import test_engine
 from mtp_draft import is_draft_layer_name
 
 # The MTP runs of conftest.ENGINE_RUNS -> the same backend's run without
-# speculation, eager or with graphs. K comes from each run's own recorded config
-# (`--mtp K`).
+# speculation, eager or with graphs. K and the backend come from each run's own
+# recorded config (`--mtp K`, `--backend`).
 WITHOUT_MTP = {
     "mtp-triton-eager": "triton-eager",
     "mtp-flashinfer-eager": "flashinfer-eager",
@@ -128,8 +128,7 @@ def test_forced_indexer_serves_target_and_draft(engine_results, name):
     draft = {n: impl for n, impl in layers.items() if is_draft_layer_name(n)}
     target = {n: impl for n, impl in layers.items() if not is_draft_layer_name(n)}
     assert draft and target, layers
-    backend = "triton" if "triton" in name else "flashinfer"
-    assert set(layers.values()) == {INDEXER_IMPL[backend]}, layers
+    assert set(layers.values()) == {INDEXER_IMPL[run.data["config"]["backend"]]}, layers
 
 
 def audited_kinds(engine_results, e2e_dir, name: str) -> dict:
