@@ -145,7 +145,7 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
         parser.add_argument(
             "--preset",
             default=default,
-            help=f"{kind} preset from configs/evals/{kind}/ or a .yaml path (default: {default})",
+            help=f"{kind} preset from evals/{kind}/ or a .yaml path (default: {default})",
         )
 
     def accuracy_options(parser: argparse.ArgumentParser) -> None:
@@ -202,7 +202,7 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
         "--accuracy-preset",
         action="append",
         metavar="PRESET",
-        help="accuracy preset from configs/evals/accuracy/ or a .yaml path; repeatable"
+        help="accuracy preset from evals/accuracy/ or a .yaml path; repeatable"
         " (default: gsm8k and ruler-32k)",
     )
     accuracy_options(ab_parser)

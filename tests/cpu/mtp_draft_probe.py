@@ -30,8 +30,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "gpu_e2e"))
-
 
 def _pin_platform_choices() -> None:
     import vllm.model_executor.layers.attention.attention as attention
@@ -48,7 +46,6 @@ def _pin_platform_choices() -> None:
 
 
 def probe(tiny_dir: Path, drop: str | None = None) -> dict:
-    import mtp_draft
     import torch
     from safetensors.torch import load_file
     from vllm.config import (
@@ -63,6 +60,8 @@ def probe(tiny_dir: Path, drop: str | None = None) -> dict:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
+
+    from vllm_minimax.testing import mtp_draft
 
     target_config = ModelConfig(model=str(tiny_dir), tokenizer=str(tiny_dir), dtype="bfloat16")
     parallel_config = ParallelConfig()

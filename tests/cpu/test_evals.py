@@ -113,8 +113,8 @@ def test_unknown_preset_names_the_known_ones(tmp_path, capsys, kind):
 @pytest.mark.slow
 def test_unknown_task_fails_with_lm_evals_message(tmp_path, capsys):
     preset = tmp_path / "unknown-task.yaml"
-    source = yaml.safe_load((REPO_ROOT / "configs/evals/accuracy/cpu-tiny.yaml").read_text())
-    source["include_path"] = str(REPO_ROOT / "configs/evals/tasks")
+    source = yaml.safe_load((REPO_ROOT / "evals/accuracy/cpu-tiny.yaml").read_text())
+    source["include_path"] = str(REPO_ROOT / "evals/tasks")
     source["tasks"] = [{"task": "no_such_task", "metrics": ["exact_match,none"]}]
     preset.write_text(yaml.safe_dump(source))
     out = tmp_path / "out"
@@ -143,9 +143,7 @@ def test_presets_ship_inside_the_wheel(tmp_path):
         "tasks/tiny_arithmetic.jsonl",
         "cpu-server.yaml",
     ):
-        assert (shipped / relative).read_bytes() == (
-            REPO_ROOT / "configs/evals" / relative
-        ).read_bytes()
+        assert (shipped / relative).read_bytes() == (REPO_ROOT / "evals" / relative).read_bytes()
     probe = "from vllm_minimax.evals import presets; print(presets.eval_configs_root())"
     result = subprocess.run(
         [sys.executable, "-c", probe],

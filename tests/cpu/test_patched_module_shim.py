@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_minimax import patched_module as pm
-from vllm_minimax import reference
-from vllm_minimax.indexer_cases import (
+from vllm_minimax.testing import patched_module as pm
+from vllm_minimax.testing import reference
+from vllm_minimax.testing.indexer_cases import (
     IndexerCase,
     expected_topk_values,
     make_batch,

@@ -12,7 +12,7 @@ import torch
 from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLIndexer
 
-from vllm_minimax import reference
+from vllm_minimax.testing import reference
 
 BLOCK = 128
 

@@ -1,7 +1,7 @@
 """The patch's FlashInfer indexer (its real build() + forward(), through
-`vllm_minimax.patched_module`, with FlashInfer 0.7.4's kernels) against the
+`vllm_minimax.testing.patched_module`, with FlashInfer 0.7.4's kernels) against the
 float32 reference, and against vLLM 0.34.0's Triton indexer, over the issue's
-matrix (`vllm_minimax.indexer_cases.cases_for_tests`).
+matrix (`vllm_minimax.testing.indexer_cases.cases_for_tests`).
 
 Fresh random inputs every run (the seed is printed and written to the report);
 the top-k buffer is poisoned (-7) before each kernel writes it. Checked on every
@@ -21,8 +21,8 @@ import os
 import pytest
 import torch
 
-from vllm_minimax import reference
-from vllm_minimax.indexer_cases import (
+from vllm_minimax.testing import reference
+from vllm_minimax.testing.indexer_cases import (
     TOPK,
     cases_for_tests,
     expected_topk_values,
@@ -42,7 +42,7 @@ CASES = cases_for_tests()
 
 @pytest.fixture(scope="module")
 def fi_module():
-    from vllm_minimax.patched_module import load_patched_module
+    from vllm_minimax.testing.patched_module import load_patched_module
 
     torch.backends.cuda.matmul.allow_tf32 = False
     return load_patched_module()
@@ -50,7 +50,7 @@ def fi_module():
 
 @pytest.fixture(scope="module")
 def triton_ops():
-    from vllm_minimax.triton_indexer import load_index_topk
+    from vllm_minimax.testing.triton_indexer import load_index_topk
 
     try:
         return load_index_topk()
@@ -109,7 +109,7 @@ def test_flashinfer_patched_forward_matches_reference(case, fi_module):
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_triton_agrees_with_flashinfer(case, fi_module, triton_ops):
-    from vllm_minimax.triton_indexer import triton_build, triton_forward
+    from vllm_minimax.testing.triton_indexer import triton_build, triton_forward
 
     batch = make_batch(case, "cuda")
     run = patched_run(fi_module, batch)
@@ -149,7 +149,7 @@ def test_bf16_prefill_is_refused_on_sm90(fi_module):
     hardware gating must keep bf16 + prefill off this impl on Hopper."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("SM90 only")
-    from vllm_minimax.indexer_cases import IndexerCase
+    from vllm_minimax.testing.indexer_cases import IndexerCase
 
     case = IndexerCase("prefill_bf16", "prefill", ((600, 600),), 1, "bf16")
     run = patched_run(fi_module, make_batch(case, "cuda"))

@@ -12,6 +12,11 @@ whose JSON is already in the directory is not repeated. Set
 `VLLM_MINIMAX_TINY_MODEL` to reuse a checkpoint from `vllm-minimax
 make-tiny-model --initializer-range 0.1 --mtp-modules 1` (without its `mtp/`
 draft the `mtp-*` runs record an error and test_mtp.py fails).
+
+Set `VLLM_MINIMAX_E2E_SAVED=DIR` to re-check saved runs on any machine, GPU or
+not: the tests read `DIR/<run>.json` and `.log` and start no engine; a run not
+in DIR fails the tests that need it. `test_serve.py` needs a live GPU and is
+skipped in that mode.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import pytest
 from vllm_minimax.tiny_model import MTP_SUBDIRECTORY
 
 HERE = Path(__file__).parent
+SAVED_RUNS_ENV = "VLLM_MINIMAX_E2E_SAVED"
 # Sharper than the default 0.02 init: a wrong block moves the logprobs more and
 # greedy margins are wider (see test_engine.py).
 E2E_INITIALIZER_RANGE = 0.1
@@ -92,6 +98,12 @@ class EngineResult:
     def error(self) -> str | None:
         return self.data.get("error")
 
+    @property
+    def sm90(self) -> bool:
+        """Whether the run came from an SM90 GPU (runs saved before the
+        capability was recorded came from the H200)."""
+        return tuple(self.data.get("device_capability") or (9, 0)) == (9, 0)
+
     def workload(self, name: str) -> list[dict]:
         return self.data["workloads"][name]["requests"]
 
@@ -124,6 +136,19 @@ def _run_engine(name: str, run: EngineRun, model: Path, out_dir: Path) -> Engine
     return EngineResult(name, json.loads(out.read_text()), text)
 
 
+def _saved_run(name: str, directory: Path) -> EngineResult:
+    out, log = directory / f"{name}.json", directory / f"{name}.log"
+    if not out.exists():
+        return EngineResult(name, {"error": f"{out} is not among the saved runs"}, "")
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return EngineResult(name, json.loads(out.read_text()), text)
+
+
 @pytest.fixture(scope="session")
-def engine_results(tiny_model, e2e_dir) -> dict[str, EngineResult]:
-    return {name: _run_engine(name, run, tiny_model, e2e_dir) for name, run in ENGINE_RUNS.items()}
+def engine_results(request) -> dict[str, EngineResult]:
+    saved = os.environ.get(SAVED_RUNS_ENV)
+    if saved:
+        return {name: _saved_run(name, Path(saved)) for name in ENGINE_RUNS}
+    model = request.getfixturevalue("tiny_model")
+    out_dir = request.getfixturevalue("e2e_dir")
+    return {name: _run_engine(name, run, model, out_dir) for name, run in ENGINE_RUNS.items()}

@@ -121,16 +121,15 @@ def run(args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sys.path.insert(0, str(Path(__file__).parent))
     audit = None
     if args.audit:
-        import selection_audit
+        from vllm_minimax.testing import selection_audit
 
         selection_audit.install()
         audit = selection_audit.AUDIT
     speculative_config = None
     if args.mtp:
-        import mtp_draft
+        from vllm_minimax.testing import mtp_draft
 
         mtp_draft.install()
         speculative_config = {
@@ -192,6 +191,12 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def device_capability() -> list[int] | None:
+    import torch
+
+    return list(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -216,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}"}
     result["config"] = config
+    result["device_capability"] = device_capability()
     args.out.write_text(json.dumps(result))
     print(f"engine_run: wrote {args.out}", flush=True)
     # The in-process engine core's teardown can hang at interpreter exit; the

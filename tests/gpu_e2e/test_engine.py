@@ -51,10 +51,6 @@ MIN_EXACT_PAST_DROP = 64
 MEAN_TOL = 0.01
 
 
-def _sm90() -> bool:
-    return torch.cuda.get_device_capability() == (9, 0)
-
-
 def _ok(results, name):
     run = results[name]
     assert run.error is None, f"{name} failed: {run.error}"
@@ -131,7 +127,7 @@ def test_bf16_index_cache_with_auto(engine_results):
     run = _ok(engine_results, "bf16-auto-eager")
     lines = [line for line in run.log.splitlines() if "MiniMax M3 indexer: selected" in line]
     assert lines
-    if _sm90():
+    if run.sm90:
         assert "selected Triton (FlashInfer not used: index cache is bf16" in lines[0], lines
         assert "set indexer_kv_dtype=fp8" in lines[0]
     else:
@@ -140,7 +136,7 @@ def test_bf16_index_cache_with_auto(engine_results):
 
 def test_bf16_index_cache_with_forced_flashinfer(engine_results):
     run = engine_results["bf16-flashinfer-eager"]
-    if _sm90():
+    if run.sm90:
         assert run.error is not None, "SM90 engine started with a bf16 cache and forced FlashInfer"
         assert "minimax_m3_indexer_backend='flashinfer' cannot run here" in run.error
         assert "index cache is bf16" in run.error

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import pytest
 import test_engine
-from mtp_draft import is_draft_layer_name
+
+from vllm_minimax.testing.mtp_draft import is_draft_layer_name
 
 # The MTP runs of conftest.ENGINE_RUNS -> the same backend's run without
 # speculation, eager or with graphs. K and the backend come from each run's own

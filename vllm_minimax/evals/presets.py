@@ -1,15 +1,15 @@
-"""The presets of ``vllm-minimax eval``: YAML files under ``configs/evals/``.
+"""The presets of ``vllm-minimax eval``: YAML files under ``evals/``.
 
-``configs/evals/accuracy/NAME.yaml`` lists lm-eval tasks and the metrics to compare,
-``configs/evals/throughput/NAME.yaml`` lists request shapes and concurrency levels, and
-``configs/evals/tasks/`` holds lm-eval task definitions shipped with the project (read by
+``evals/accuracy/NAME.yaml`` lists lm-eval tasks and the metrics to compare,
+``evals/throughput/NAME.yaml`` lists request shapes and concurrency levels, and
+``evals/tasks/`` holds lm-eval task definitions shipped with the project (read by
 lm-eval through ``--include_path``). A preset argument is a name from those directories or a
 path to a YAML file of the same form.
 
 Where the directory is found mirrors the patch series (:func:`vllm_minimax.patchset.
 patches_root`): ``$VLLM_MINIMAX_EVAL_CONFIGS``; ``vllm_minimax/_eval_configs`` (a wheel
-carries ``configs/evals`` there, see ``pyproject.toml``); the repository's
-``configs/evals`` next to the package (source tree and editable installs).
+carries ``evals`` there, see ``pyproject.toml``); the repository's
+``evals`` next to the package (source tree and editable installs).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def eval_configs_root() -> Path:
     shipped = package_dir / "_eval_configs"
     if shipped.is_dir():
         return shipped
-    return package_dir.parent / "configs" / "evals"
+    return package_dir.parent / "evals"
 
 
 def available(kind: str) -> list[str]:

@@ -19,7 +19,7 @@ from vllm.models.minimax_m3.common import indexer as indexer_mod
 from vllm.models.minimax_m3.nvidia import indexer_flashinfer as fi_mod
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from vllm_minimax import reference
+from vllm_minimax.testing import reference
 
 PAGE = 128
 POISON = -7

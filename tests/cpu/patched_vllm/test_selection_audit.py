@@ -8,17 +8,13 @@ one token's page count in the metadata.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import test_flashinfer_indexer as indexer_tests
 import torch
 from test_flashinfer_indexer import BATCHES, PAGE, make_batch, make_builder, make_impl, run_forward
 from vllm.models.minimax_m3.nvidia import indexer_flashinfer as fi_mod
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "gpu_e2e"))
-import selection_audit
+from vllm_minimax.testing import selection_audit
 
 # The reference kernels and the single-rank patch, as test_flashinfer_indexer uses them.
 kernels = indexer_tests.kernels

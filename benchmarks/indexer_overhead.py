@@ -1,6 +1,6 @@
 """What the patch's FlashInfer indexer forward costs on top of its two kernels.
 
-    python evals/indexer_overhead.py --out results/h200
+    python -m benchmarks.indexer_overhead --out results/h200
 
 For a few cases of `cases_for_bench()`:
 - GPU time alone: the patched forward, the bare kernel pair and vLLM's Triton
@@ -24,24 +24,19 @@ import cProfile
 import io
 import json
 import pstats
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "evals"))
+import torch
 
-import torch  # noqa: E402
-from indexer_bench import bench, graph_ms, host_us, kernel_calls  # noqa: E402
-
-from vllm_minimax import patched_module as pm  # noqa: E402
-from vllm_minimax.indexer_cases import (  # noqa: E402
+from benchmarks.indexer_bench import bench, graph_ms, host_us, kernel_calls
+from vllm_minimax.testing import patched_module as pm
+from vllm_minimax.testing.indexer_cases import (
     cases_for_bench,
     make_batch,
     patched_run,
 )
-from vllm_minimax.triton_indexer import load_index_topk, triton_build, triton_forward  # noqa: E402
+from vllm_minimax.testing.triton_indexer import load_index_topk, triton_build, triton_forward
 
 
 def main(argv=None) -> int:

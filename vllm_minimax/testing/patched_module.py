@@ -6,7 +6,7 @@ torch 2.11; vLLM 0.34.0 pins torch 2.14) still need to run exactly that file's
 `build()` and `forward()`, so that the GPU tests and the benchmark cannot drift
 from what the patch does. This module
 
-- extracts the added file's source from the patch text (`extract_new_file`),
+- builds the added file from the series with `git apply` (`patched_source`),
 - execs it as a module under a small shim that stands in for the vLLM names it
   imports (`load_patched_module`), with the real `flashinfer.msa_ops` or any
   stand-in namespace of the two functions,
@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import subprocess
 import sys
+import tempfile
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,50 +40,46 @@ from typing import Any, ClassVar
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PATCH_PATH = (
-    REPO_ROOT
-    / "patches"
-    / "vllm-0.34.0"
-    / "0003-MiniMax-M3-FlashInfer-MSA-indexer-for-SM90-and-SM120.patch"
-)
+from vllm_minimax import patchset
+
+SERIES_VERSION = "0.34.0"
 NEW_FILE = "vllm/models/minimax_m3/nvidia/indexer_flashinfer.py"
 MODULE_NAME = "vllm_minimax._patched_indexer_flashinfer"
 
 
-def extract_new_file(patch_text: str, path: str = NEW_FILE) -> str:
-    """Source of the file `path` that the patch creates (its `+` lines)."""
-    lines = patch_text.splitlines()
-    header = f"diff --git a/{path} b/{path}"
-    try:
-        start = lines.index(header)
-    except ValueError as exc:
-        raise ValueError(f"the patch does not touch {path}") from exc
-    i = start + 1
-    saw_new = False
-    while i < len(lines) and not lines[i].startswith("@@"):
-        if lines[i].startswith("new file mode"):
-            saw_new = True
-        i += 1
-    if not saw_new:
-        raise ValueError(f"the patch modifies {path} rather than creating it")
-    out: list[str] = []
-    for line in lines[i + 1 :]:
-        if line.startswith("diff --git ") or line.startswith("-- "):
-            break
-        if line.startswith("@@"):
-            continue
-        if line.startswith("+"):
-            out.append(line[1:])
-        elif line.startswith("\\"):  # "\ No newline at end of file"
-            continue
-        else:
-            raise ValueError(f"unexpected line in a new-file hunk: {line!r}")
-    return "\n".join(out) + "\n"
+def patched_source(version: str = SERIES_VERSION, path: str = NEW_FILE) -> str:
+    """Source of `path` as the series for vLLM `version` creates it.
 
-
-def patched_source(patch_path: Path | str = PATCH_PATH) -> str:
-    return extract_new_file(Path(patch_path).read_text())
+    The series is found the way `vllm-minimax apply` finds it
+    (`patchset.require_series_dir`), and `git apply` builds the file from the
+    patches that touch it, in series order, in an empty directory; the stand-ins
+    below are vLLM 0.34.0's, so other versions are for comparison only.
+    """
+    patches = [
+        patch
+        for patch in patchset.read_series(patchset.require_series_dir(version))
+        if path in patch.paths
+    ]
+    if not patches or path not in patches[0].created:
+        raise patchset.PatchError(f"the vLLM {version} series does not create {path}")
+    git = patchset.git_executable()
+    with tempfile.TemporaryDirectory(prefix="vllm-minimax-patched-module-") as scratch:
+        env = patchset.isolated_git_env(ceiling=Path(scratch))
+        tree = Path(scratch) / "tree"
+        tree.mkdir()
+        for patch in patches:
+            completed = subprocess.run(
+                [git, "apply", "--whitespace=nowarn", f"--include={path}", str(patch.path)],
+                cwd=tree,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            if completed.returncode != 0:
+                raise patchset.PatchError(
+                    patchset.describe_apply_failure(patch, completed.stderr, tree)
+                )
+        return (tree / path).read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------
@@ -383,7 +381,7 @@ def temporary_modules(mods: dict[str, types.ModuleType]) -> Iterator[None]:
 def reference_msa_ops() -> SimpleNamespace:
     """`msa_proxy_score` / `msa_topk_select` with the kernels' signatures,
     computed by `vllm_minimax.reference` (CPU or GPU, float32)."""
-    from vllm_minimax import reference
+    from vllm_minimax.testing import reference
 
     def msa_proxy_score(
         q,
@@ -436,7 +434,6 @@ def reference_msa_ops() -> SimpleNamespace:
 def load_patched_module(
     msa_ops: Any = None,
     *,
-    patch_path: Path | str = PATCH_PATH,
     name: str = MODULE_NAME,
 ) -> types.ModuleType:
     """Exec the patch's new file as module `name` under the vLLM shim.
@@ -446,9 +443,9 @@ def load_patched_module(
     The module's globals `msa_proxy_score`/`msa_topk_select` may also be
     replaced afterwards.
     """
-    source = patched_source(patch_path)
+    source = patched_source()
     module = types.ModuleType(name)
-    module.__file__ = f"{patch_path}::{NEW_FILE}"
+    module.__file__ = f"vllm-{SERIES_VERSION} series::{NEW_FILE}"
     with temporary_modules(_shim_modules(msa_ops)):
         # dataclasses resolve string annotations through sys.modules[__module__].
         sys.modules[name] = module

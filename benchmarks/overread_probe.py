@@ -4,7 +4,7 @@ Run under compute-sanitizer with the caching allocator off, so that q is its own
 cudaMalloc ending exactly at its last row:
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --report-api-errors no \
-        python evals/overread_probe.py --control
+        python -m benchmarks.overread_probe --control
 
 Covers the uniform-batch (Cake) and padded-batch (CuTe) prefill routes, 1 and 4
 heads, and ragged ends. The patch keeps 127 rows of slack behind prefill q
@@ -16,14 +16,11 @@ tensor's end last, which memcheck must report (it proves the probe can see one).
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 from flashinfer.msa_ops import msa_proxy_score, msa_topk_select
 
-from vllm_minimax.indexer_cases import IndexerCase, make_batch
+from vllm_minimax.testing.indexer_cases import IndexerCase, make_batch
 
 CASES = [
     IndexerCase("uniform 1x3000 h1", "prefill", ((3000, 3000),), 1),

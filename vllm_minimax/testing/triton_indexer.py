@@ -2,8 +2,7 @@
 
 `load_index_topk()` returns the module of
 `vllm/models/minimax_m3/common/ops/index_topk.py`: the installed vLLM's when
-one imports (a user's machine), else the unmodified file (the H200 payload's
-`.gpu/p2/vllm_triton/index_topk.py`, or `$VLLM_MINIMAX_TRITON_INDEX_TOPK`)
+one imports, else the unmodified file that `$VLLM_MINIMAX_TRITON_INDEX_TOPK` names,
 loaded under a test-only shim of the three names it imports
 (`vllm.platforms.current_platform`, `vllm.triton_utils`,
 `vllm.utils.math_utils.round_up`).
@@ -25,12 +24,9 @@ from pathlib import Path
 
 import torch
 
-from vllm_minimax.patched_module import REPO_ROOT, split_decodes_and_prefills, temporary_modules
+from vllm_minimax.testing.patched_module import split_decodes_and_prefills, temporary_modules
 
-CANDIDATE_PATHS = (
-    REPO_ROOT / ".gpu" / "p2" / "vllm_triton" / "index_topk.py",
-    Path("/tmp/src/vllm/models/minimax_m3/common/ops/index_topk.py"),
-)
+TRITON_INDEX_TOPK_ENV = "VLLM_MINIMAX_TRITON_INDEX_TOPK"
 
 
 class _CudaPlatform:
@@ -99,25 +95,18 @@ def load_index_topk(path: str | Path | None = None) -> types.ModuleType:
     key = str(path)
     if key in _LOADED:
         return _LOADED[key]
-    path = path or os.environ.get("VLLM_MINIMAX_TRITON_INDEX_TOPK")
+    path = path or os.environ.get(TRITON_INDEX_TOPK_ENV)
     if path is None:
         try:
             from vllm.models.minimax_m3.common.ops import index_topk  # type: ignore
-
-            _LOADED[key] = index_topk
-            return index_topk
-        except Exception:
-            pass
-        for cand in CANDIDATE_PATHS:
-            if cand.is_file():
-                path = cand
-                break
-        else:
+        except Exception as exc:
             raise FileNotFoundError(
-                "vLLM 0.34.0's index_topk.py: no vLLM imports and none of "
-                + ", ".join(map(str, CANDIDATE_PATHS))
-                + " exists (set VLLM_MINIMAX_TRITON_INDEX_TOPK)"
-            )
+                "vLLM 0.34.0's index_topk.py: vLLM does not import here"
+                f" ({type(exc).__name__}: {exc}); set {TRITON_INDEX_TOPK_ENV} to a copy of"
+                " vllm/models/minimax_m3/common/ops/index_topk.py"
+            ) from exc
+        _LOADED[key] = index_topk
+        return index_topk
     name = "vllm_minimax._vllm_index_topk"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_minimax import reference
-from vllm_minimax.patched_module import make_common_metadata
-from vllm_minimax.reference import SelectionComparison
+from vllm_minimax.testing import reference
+from vllm_minimax.testing.patched_module import make_common_metadata
+from vllm_minimax.testing.reference import SelectionComparison
 
 PAGE = 128
 TOPK = 16
@@ -445,7 +445,7 @@ class PatchedRun:
         return {self.impl.index_cache.prefix: self.metadata}
 
     def forward(self) -> torch.Tensor:
-        from vllm_minimax.patched_module import forward_context
+        from vllm_minimax.testing.patched_module import forward_context
 
         with forward_context(self.attn_metadata()):
             self.impl.forward(self.batch.index_query)
@@ -456,7 +456,7 @@ class PatchedRun:
 
 
 def patched_run(module, batch: Batch) -> PatchedRun:
-    from vllm_minimax.patched_module import make_builder, make_impl
+    from vllm_minimax.testing.patched_module import make_builder, make_impl
 
     case = batch.case
     builder = make_builder(

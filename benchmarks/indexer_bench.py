@@ -1,7 +1,7 @@
 """Benchmark: the patch's FlashInfer indexer forward against vLLM 0.34.0's
-Triton indexer, case by case (`vllm_minimax.indexer_cases.cases_for_bench`).
+Triton indexer, case by case (`vllm_minimax.testing.indexer_cases.cases_for_bench`).
 
-    python evals/indexer_bench.py --out results/h200
+    python -m benchmarks.indexer_bench --out results/h200
 
 For each case: medians of `triton.testing.do_bench(..., return_mode="median")`
 for the patch's `MiniMaxM3IndexerFlashInferImpl.forward` (one msa_proxy_score
@@ -16,10 +16,10 @@ indexer_bench.md, indexer_bench.png and profile.txt under --out.
 
 The FlashInfer side always runs the patch's own file (extracted from
 patches/vllm-0.34.0/0003-*.patch and loaded under the vLLM shim of
-`vllm_minimax.patched_module`); where a patched vLLM is installed the
+`vllm_minimax.testing.patched_module`); where a patched vLLM is installed the
 benchmark also reports whether its indexer_flashinfer.py equals the patch's.
 The Triton side imports the installed vLLM's index_topk when it imports, else
-loads the unmodified file (see `vllm_minimax.triton_indexer`).
+loads the unmodified file (see `vllm_minimax.testing.triton_indexer`).
 """
 
 from __future__ import annotations
@@ -31,13 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from vllm_minimax import patched_module as pm  # noqa: E402
-from vllm_minimax.indexer_cases import (  # noqa: E402
+from vllm_minimax.testing import patched_module as pm
+from vllm_minimax.testing.indexer_cases import (
     cases_for_bench,
     expected_topk_values,
     forced_counts,
@@ -47,11 +44,13 @@ from vllm_minimax.indexer_cases import (  # noqa: E402
     reference_scores,
     value_check,
 )
-from vllm_minimax.triton_indexer import (  # noqa: E402
+from vllm_minimax.testing.triton_indexer import (
     load_index_topk,
     triton_build,
     triton_forward,
 )
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def bench(fn, warmup=25, rep=100) -> float:

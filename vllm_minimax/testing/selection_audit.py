@@ -25,11 +25,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import mtp_draft
 import torch
 
-from vllm_minimax import reference
-from vllm_minimax.indexer_cases import expected_topk_values, value_check, vector_invariants
+from vllm_minimax.testing import mtp_draft, reference
+from vllm_minimax.testing.indexer_cases import expected_topk_values, value_check, vector_invariants
 
 PAGE = 128
 
