@@ -1,7 +1,7 @@
 """Benchmark: the patch's FlashInfer indexer forward against vLLM 0.34.0's
 Triton indexer, case by case (`vllm_minimax.testing.indexer_cases.cases_for_bench`).
 
-    python -m benchmarks.indexer_bench --out results/h200
+    python -m benchmarks.indexer_bench --out results/h200/indexer-kernels
 
 For each case: medians of `triton.testing.do_bench(..., return_mode="median")`
 for the patch's `MiniMaxM3IndexerFlashInferImpl.forward` (one msa_proxy_score
@@ -462,7 +462,7 @@ def main(argv=None) -> int:
         print("no CUDA GPU")
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
-    out = args.out or REPO / "results" / gpu_slug()
+    out = args.out or REPO / "results" / gpu_slug() / "indexer-kernels"
     out.mkdir(parents=True, exist_ok=True)
     # Checked before flashinfer is imported (importing it creates the folder).
     base = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", Path.home()))

@@ -1,6 +1,6 @@
 """What the patch's FlashInfer indexer forward costs on top of its two kernels.
 
-    python -m benchmarks.indexer_overhead --out results/h200
+    python -m benchmarks.indexer_overhead --out results/h200/indexer-kernels
 
 For a few cases of `cases_for_bench()`:
 - GPU time alone: the patched forward, the bare kernel pair and vLLM's Triton
@@ -11,7 +11,7 @@ For a few cases of `cases_for_bench()`:
 - a cProfile of 200 patched forwards (top functions by own time);
 Writes overhead.json and overhead.txt under --out.
 
-The mixed-batch rows of results/h200/overhead.json also compare the patch's
+The mixed-batch rows of results/h200/indexer-kernels/overhead.json also compare the patch's
 former single whole-batch pair with a split into one pair per side; the patch
 now makes that split itself (`md.calls`), so this script no longer carries the
 comparison.
