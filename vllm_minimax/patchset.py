@@ -598,6 +598,14 @@ def target_lock(root: Path, exclusive: bool) -> Iterator[None]:
 def remove_litter(root: Path, paths: list[str]) -> list[str]:
     """Remove the temporary and probe files a killed run left beside ``paths`` and the state
     file; return the removed paths (relative to ``root``)."""
+    found = find_litter(root, paths)
+    for relative in found:
+        os.unlink(root / relative)
+    return found
+
+
+def find_litter(root: Path, paths: list[str]) -> list[str]:
+    """The temporary and probe files a killed run left beside ``paths`` and the state file."""
     directories = {Path(STATE_FILE).parent}
     for path in paths:
         parent = Path(path).parent
@@ -619,7 +627,6 @@ def remove_litter(root: Path, paths: list[str]) -> list[str]:
                 LEGACY_PROBE_PREFIX
             )
             if is_litter and not entry.is_dir(follow_symlinks=False):
-                os.unlink(entry.path)
                 removed.append(str(directory / name))
     return removed
 
@@ -858,6 +865,7 @@ class Transaction:
 
     def replace(self, temporary: Path, path: Path, old: tuple[bytes, int] | None) -> None:
         self.step(lambda: os.replace(temporary, path), self._restore(path, old))
+        self.cleanup.remove(temporary)
         self.synced.add(path.parent)
 
     def unlink(self, path: Path, old: tuple[bytes, int]) -> None:
@@ -887,11 +895,10 @@ class Transaction:
                 yield self
                 self.check_signals()
             except BaseException as error:
+                self._remove_temporaries()
                 raise self._roll_back(error) from error
             finally:
-                for temporary in self.cleanup:
-                    with contextlib.suppress(OSError):
-                        os.unlink(temporary)
+                self._remove_temporaries()
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
@@ -900,6 +907,12 @@ class Transaction:
                 f"interrupted after {self.verb} had finished: {self.root} is left as {self.verb}"
                 " completed it"
             )
+
+    def _remove_temporaries(self) -> None:
+        """Those not renamed into place (before undoing: they may sit in a new directory)."""
+        while self.cleanup:
+            with contextlib.suppress(OSError):  # best effort: the next run removes leftovers
+                os.unlink(self.cleanup.pop())
 
     def _roll_back(self, error: BaseException) -> BaseException:
         if isinstance(error, OSError):
@@ -923,16 +936,18 @@ class Transaction:
         else:
             where, undo_error = failed
             state = self.root / STATE_FILE
-            advice = (
-                f"{state} records it: run `vllm-minimax revert --target {self.root}` once that"
-                " is fixed"
-                if state.exists()
-                else f"remove {where} by hand"
-            )
-            message = (
-                f"{cause}; rolling back failed too ({describe_os_error(undo_error)}):"
-                f" {self.root} is left part-way through {self.verb}; {advice}"
-            )
+            if os.path.lexists(state):
+                message = (
+                    f"{cause}; rolling back failed too ({describe_os_error(undo_error)}):"
+                    f" {self.root} is left part-way through {self.verb}; {state} records it: run"
+                    f" `vllm-minimax revert --target {self.root}` once that is fixed"
+                )
+            else:  # the state file goes last in a revert: every file was restored
+                message = (
+                    f"{cause}; {self.verb} had written everything (rolling back failed:"
+                    f" {describe_os_error(undo_error)}): {self.root} is reverted, no state file"
+                    " remains"
+                )
         if isinstance(error, KeyboardInterrupt):
             return Interrupted(message)
         return PatchError(message)
@@ -1187,6 +1202,7 @@ class SeriesState:
     files: list[tuple[str, FileState]]
     recorded_series: str | None = None
     problem: str | None = None
+    litter: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -1221,7 +1237,9 @@ def series_state(target: Path | None = None, patches_dir: Path | None = None) ->
     """
     root = find_vllm_root(target)
     with target_lock(root, exclusive=False):
-        return _series_state(root, patches_dir)
+        status = _series_state(root, patches_dir)
+        status.litter = find_litter(root, [path for path, _ in status.files])
+        return status
 
 
 def _series_state(root: Path, patches_dir: Path | None) -> SeriesState:
@@ -1275,6 +1293,8 @@ def format_status(status: SeriesState) -> str:
         lines.append("state:        not applied")
     for path, state in status.files:
         lines.append(f"  {state:<10}  {path}")
+    for path in status.litter:
+        lines.append(f"  leftover    {path} (an interrupted run's; apply or revert removes it)")
     if status.problem:
         lines.append(f"problem: {status.problem}")
     return "\n".join(lines)
