@@ -10,9 +10,15 @@ code. A real full file system is not used: mounting one needs privileges CI may 
 
 from __future__ import annotations
 
+import base64
 import errno
+import fcntl
+import hashlib
+import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -367,3 +373,347 @@ def test_sigkill_at_every_step_then_revert_recovers(
         set_tree(scene, command)
         capsys.readouterr()
     assert left_litter > 0, "no kill left a temporary file; the cleanup went untested"
+
+
+# ------------------------------------------------------------------------------------------
+# Hostile state files and links: refused before anything is touched
+# ------------------------------------------------------------------------------------------
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def original_of(content: bytes, mode: int = 0o755) -> dict[str, Any]:
+    return {
+        "sha256": hashlib.sha256(content).hexdigest(),
+        "mode": mode,
+        "content_base64": base64.b64encode(content).decode(),
+    }
+
+
+def tamper_outside_relative(state: dict[str, Any], scene: Scene) -> str:
+    victim = (scene.outside / "victim.txt").read_text()
+    state["files"].append(
+        {"path": "../outside/victim.txt", "before": None, "after": {"sha256": sha256_text(victim)}}
+    )
+    return "'../outside/victim.txt' is not a relative path inside vllm/"
+
+
+def tamper_absolute(state: dict[str, Any], scene: Scene) -> str:
+    victim = scene.outside / "victim.txt"
+    state["files"].append(
+        {
+            "path": str(victim),
+            "before": original_of(b"attacker's bytes\n"),
+            "after": {"sha256": sha256_text(victim.read_text())},
+        }
+    )
+    return "is not a relative path inside vllm/"
+
+
+def tamper_dotdot_inside_vllm(state: dict[str, Any], scene: Scene) -> str:
+    state["files"][0]["path"] = "vllm/../../outside/victim.txt"
+    return "is not a relative path inside vllm/"
+
+
+def tamper_after_and_before_null(state: dict[str, Any], scene: Scene) -> str:
+    state["files"].append({"path": "vllm/ghost.py", "before": None, "after": None})
+    return "has neither 'before' nor 'after'"
+
+
+def tamper_after_not_a_sha(state: dict[str, Any], scene: Scene) -> str:
+    state["files"][0]["after"] = {"sha256": 5}
+    return "is not an object with a sha256"
+
+
+def tamper_setuid_mode(state: dict[str, Any], scene: Scene) -> str:
+    entry = next(e for e in state["files"] if e["before"] is not None)
+    entry["before"]["mode"] = 0o4755
+    return "not 0..0o777"
+
+
+def tamper_corrupt_original(state: dict[str, Any], scene: Scene) -> str:
+    entry = next(e for e in state["files"] if e["before"] is not None)
+    entry["before"]["content_base64"] = base64.b64encode(b"other bytes\n").decode()
+    return "does not match its sha256"
+
+
+def tamper_created_dir_outside(state: dict[str, Any], scene: Scene) -> str:
+    state["created_dirs"].append("../outside/emptydir")
+    return "'../outside/emptydir' is not a relative path inside vllm/"
+
+
+def tamper_created_dir_not_created(state: dict[str, Any], scene: Scene) -> str:
+    state["created_dirs"].append("vllm")
+    return "is not a relative path inside vllm/"
+
+
+def tamper_created_dir_unrelated(state: dict[str, Any], scene: Scene) -> str:
+    (scene.target / "vllm" / "keep").mkdir()
+    state["created_dirs"].append("vllm/keep")
+    return "'vllm/keep' holds no file the series created"
+
+
+def tamper_path_through_link(state: dict[str, Any], scene: Scene) -> str:
+    (scene.target / "vllm" / "link").symlink_to(scene.outside)
+    victim = (scene.outside / "victim.txt").read_text()
+    state["files"].append(
+        {"path": "vllm/link/victim.txt", "before": None, "after": {"sha256": sha256_text(victim)}}
+    )
+    return "vllm/link is a symbolic link"
+
+
+def tamper_duplicate(state: dict[str, Any], scene: Scene) -> str:
+    state["files"].append(dict(state["files"][0]))
+    return "a file is listed twice"
+
+
+def tamper_entry_not_object(state: dict[str, Any], scene: Scene) -> str:
+    state["files"].append("vllm/alpha.py")
+    return "a files entry is str, not an object"
+
+
+def tamper_files_missing(state: dict[str, Any], scene: Scene) -> str:
+    del state["files"]
+    return "no 'files'"
+
+
+TAMPERINGS = [
+    tamper_outside_relative,
+    tamper_absolute,
+    tamper_dotdot_inside_vllm,
+    tamper_after_and_before_null,
+    tamper_after_not_a_sha,
+    tamper_setuid_mode,
+    tamper_corrupt_original,
+    tamper_created_dir_outside,
+    tamper_created_dir_not_created,
+    tamper_created_dir_unrelated,
+    tamper_path_through_link,
+    tamper_duplicate,
+    tamper_entry_not_object,
+    tamper_files_missing,
+]
+
+
+@pytest.mark.parametrize("tamper", TAMPERINGS, ids=lambda f: f.__name__.removeprefix("tamper_"))
+def test_tampered_state_file_is_refused(
+    scene: Scene, capsys: pytest.CaptureFixture[str], tamper: Callable[..., str]
+) -> None:
+    assert main(["apply", "--target", str(scene.target)]) == 0
+    state_path = scene.target / STATE_FILE
+    state = json.loads(state_path.read_text())
+    needle = tamper(state, scene)
+    state_path.write_text(json.dumps(state))
+    before, outside = scene.manifest(), scene.outside_manifest()
+    capsys.readouterr()
+    for command in ("revert", "apply", "status"):
+        code = main([command, "--target", str(scene.target)])
+        line = one_line(capsys.readouterr().err)
+        assert code == 2, (command, line)
+        assert line.startswith("vllm-minimax: error: "), line
+        assert needle in line, (command, line)
+        assert scene.manifest() == before, command
+        assert scene.outside_manifest() == outside, command
+    assert (scene.outside / "victim.txt").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize(
+    "text", ["{not json", "[]", '{"format": 1}', "\xff".encode("latin-1").decode("latin-1")]
+)
+def test_malformed_state_file_is_one_line(
+    scene: Scene, capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    state_path = scene.target / STATE_FILE
+    state_path.write_bytes(text.encode("latin-1"))
+    before = scene.manifest()
+    for command in ("revert", "apply", "status"):
+        code = main([command, "--target", str(scene.target)])
+        line = one_line(capsys.readouterr().err)
+        assert code == 2 and "is unreadable or was tampered with" in line, (command, line)
+        assert scene.manifest() == before
+
+
+def test_state_file_that_is_a_link_is_refused(
+    scene: Scene, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["apply", "--target", str(scene.target)]) == 0
+    state_path = scene.target / STATE_FILE
+    moved = scene.outside / "state.json"
+    shutil.move(state_path, moved)
+    state_path.symlink_to(moved)
+    before, outside = scene.manifest(), scene.outside_manifest()
+    capsys.readouterr()
+    for command in ("revert", "apply", "status"):
+        assert main([command, "--target", str(scene.target)]) == 2
+        assert "is a symbolic link" in one_line(capsys.readouterr().err)
+    assert scene.manifest() == before and scene.outside_manifest() == outside
+
+
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_symlinked_file_in_the_target_is_refused(
+    scene: Scene, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    set_tree(scene, command)
+    alpha = scene.target / "vllm/alpha.py"
+    copy = scene.outside / "alpha.py"
+    shutil.copy2(alpha, copy)
+    alpha.unlink()
+    alpha.symlink_to(copy)
+    before, outside = scene.manifest(), scene.outside_manifest()
+    capsys.readouterr()
+    assert main([command, "--target", str(scene.target)]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert f"{alpha} is a symbolic link" in line and "Nothing was changed" in line, line
+    assert alpha.is_symlink()
+    assert scene.manifest() == before and scene.outside_manifest() == outside
+
+
+def test_temp_name_planted_as_link_is_not_followed(
+    scene: Scene, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An old fixed temp name, linked to an outside file, is removed as litter; the outside
+    file keeps its bytes and mode."""
+    victim = scene.outside / "victim.txt"
+    planted = scene.target / "vllm" / f".{Path(STATE_FILE).name}{patchset.TEMP_SUFFIX}"
+    planted.symlink_to(victim)
+    outside = scene.outside_manifest()
+    assert main(["apply", "--target", str(scene.target)]) == 0
+    assert f"removed  {planted.relative_to(scene.target)}" in capsys.readouterr().out
+    assert not os.path.lexists(planted)
+    assert scene.outside_manifest() == outside
+    assert scene.manifest() == scene.applied
+
+
+def test_revert_removes_litter_even_with_nothing_to_revert(
+    scene: Scene, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in (".alpha.py.vllm-minimax-tmp", ".vllm-minimax-probe-abc123"):
+        (scene.target / "vllm" / name).write_text("patched code\n")
+    (scene.target / "vllm/new/pkg").mkdir(parents=True)
+    (scene.target / "vllm/new/pkg/.gamma.py.x1.vllm-minimax-tmp").write_text("x")
+    assert main(["revert", "--target", str(scene.target)]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "nothing to revert" in line and "removed 3 leftover temporary file(s)" in line
+    assert litter(scene.target) == []
+
+
+def test_target_whose_vllm_is_a_link_is_refused(
+    scene: Scene, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    linked = tmp_path / "linked-site"
+    linked.mkdir()
+    (linked / "vllm").symlink_to(scene.target / "vllm")
+    assert main(["apply", "--target", str(linked)]) == 2
+    assert "is a symbolic link" in one_line(capsys.readouterr().err)
+    assert scene.manifest() == scene.pristine
+
+
+# ------------------------------------------------------------------------------------------
+# OS errors outside a transaction, and their advice
+# ------------------------------------------------------------------------------------------
+
+
+def test_name_too_long_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("apply", "revert", "status"):
+        assert main([command, "--target", str(tmp_path / ("x" * 300))]) == 2
+        line = one_line(capsys.readouterr().err)
+        assert line.startswith("vllm-minimax: error: file name too long: "), line
+
+
+@pytest.mark.parametrize(
+    ("code", "advice"),
+    [
+        (errno.ENOSPC, "no free inodes on the file system of /t/x"),
+        (errno.EDQUOT, "disk quota exceeded writing /t/x"),
+        (errno.EACCES, "permission denied: /t/x: the target is not writable by this user"),
+        (errno.EROFS, "/t/x is on a read-only file system"),
+    ],
+)
+def test_os_error_advice(monkeypatch: pytest.MonkeyPatch, code: int, advice: str) -> None:
+    no_inodes = os.statvfs_result((4096, 4096, 100, 50, 50, 1000, 0, 0, 0, 255))
+    monkeypatch.setattr(os, "statvfs", lambda _: no_inodes)
+    message = patchset.describe_os_error(OSError(code, os.strerror(code), "/t/x"))
+    assert message.startswith(advice), message
+
+
+def test_no_space_when_inodes_remain(monkeypatch: pytest.MonkeyPatch) -> None:
+    some_inodes = os.statvfs_result((4096, 4096, 100, 0, 0, 1000, 10, 10, 0, 255))
+    monkeypatch.setattr(os, "statvfs", lambda _: some_inodes)
+    message = patchset.describe_os_error(OSError(errno.ENOSPC, "No space", "/t/x"))
+    assert message.startswith("no space left on the device of /t/x: free some space")
+
+
+def test_stale_staging_dir_of_a_dead_run_is_removed(
+    scene: Scene, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr("tempfile.tempdir", None)
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    stale = tmp_path / "tmp" / f"{patchset.STAGING_PREFIX}{dead.pid}-abcd1234"
+    alive = tmp_path / "tmp" / f"{patchset.STAGING_PREFIX}{os.getpid()}-efgh5678"
+    for directory in (stale, alive):
+        (directory / "tree").mkdir(parents=True)
+    assert main(["status", "--target", str(scene.target)]) == 1
+    assert not stale.exists()
+    assert alive.exists()
+    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == [alive.name]
+
+
+# ------------------------------------------------------------------------------------------
+# Concurrent runs
+# ------------------------------------------------------------------------------------------
+
+
+def test_a_held_lock_turns_the_second_run_away(
+    scene: Scene, capsys: pytest.CaptureFixture[str]
+) -> None:
+    descriptor = os.open(scene.target / "vllm", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        for command in ("apply", "revert", "status"):
+            assert main([command, "--target", str(scene.target)]) == 2
+            line = one_line(capsys.readouterr().err)
+            assert "another vllm-minimax apply or revert is running" in line, line
+        assert scene.manifest() == scene.pristine
+    finally:
+        os.close(descriptor)
+
+
+def test_two_processes_racing_apply_and_revert(scene: Scene) -> None:
+    command = [
+        sys.executable,
+        "-c",
+        "import sys; from vllm_minimax.cli import main\n"
+        "for i in range(8):\n"
+        "    for c in ('apply', 'revert'):\n"
+        "        print(c, main([c, '--target', sys.argv[1]]), flush=True)\n",
+        str(scene.target),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(patchset.__file__).parents[1])}
+    runs = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for _ in range(2)
+    ]
+    results = [run.communicate(timeout=120) for run in runs]
+    busy = 0
+    for (out, err), run in zip(results, runs, strict=True):
+        assert run.returncode == 0, err
+        assert "Traceback" not in err
+        codes = [line.split() for line in out.splitlines() if line.endswith((" 0", " 2"))]
+        assert len(codes) == 16
+        assert {code for _, code in codes} <= {"0", "2"}, out
+        for line in err.splitlines():
+            assert (
+                "another vllm-minimax apply or revert is running" in line
+                or "nothing to revert" in line
+            ), line
+            busy += "another vllm-minimax" in line
+    assert scene.manifest() in (scene.pristine, scene.applied)
+    assert litter(scene.target) == []
+    print(f"{busy} of 32 runs found the lock held")
