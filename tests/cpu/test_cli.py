@@ -274,3 +274,12 @@ def test_apply_default_target_is_installed_vllm(
     assert main(["status"]) == 2  # no series for this version
     assert seen == [None]
     assert "vLLM version: 0.34.0" in capsys.readouterr().out
+
+
+def test_status_help_documents_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    out = capsys.readouterr().out
+    assert "exit status:" in out
+    for line in ("0  the series for this vLLM is applied", "1  not applied", "2  anything else"):
+        assert line in out, out
