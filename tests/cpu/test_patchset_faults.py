@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,7 +310,7 @@ def test_ctrl_c_at_every_step_rolls_back(
 # ------------------------------------------------------------------------------------------
 
 
-def killed_run(scene: Scene, command: str, at: int) -> int:
+def killed_run(scene: Scene, command: str, at: int) -> tuple[int, int]:
     pid = os.fork()
     if pid == 0:  # the child: die at call ``at``
         code = 99
@@ -324,7 +325,7 @@ def killed_run(scene: Scene, command: str, at: int) -> int:
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
-    return status
+    return pid, status
 
 
 @pytest.mark.parametrize("command", ["apply", "revert"])
@@ -341,7 +342,7 @@ def test_sigkill_at_every_step_then_revert_recovers(
     outside = scene.outside_manifest()
     left_litter = 0
     for index, call in enumerate(calls):
-        status = killed_run(scene, command, index)
+        pid, status = killed_run(scene, command, index)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, call
         left_litter += bool(litter(scene.target))
         state_code = main(["status", "--target", str(scene.target)])
@@ -364,12 +365,8 @@ def test_sigkill_at_every_step_then_revert_recovers(
         assert scene.manifest() == scene.pristine, call
         assert litter(scene.target.parent) == [], call
         assert scene.outside_manifest() == outside
-        assert not [
-            p
-            for p in Path(os.environ.get("TMPDIR", "/tmp")).glob(
-                f"{patchset.STAGING_PREFIX}{os.getpid()}-*"
-            )
-        ]
+        staging = Path(tempfile.gettempdir()).glob(f"{patchset.STAGING_PREFIX}{pid}-*")
+        assert list(staging) == [], call
         set_tree(scene, command)
         capsys.readouterr()
     assert left_litter > 0, "no kill left a temporary file; the cleanup went untested"
