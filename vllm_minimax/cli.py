@@ -3,20 +3,49 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from vllm_minimax import __version__
 from vllm_minimax.evals.common import EvalError
 from vllm_minimax.patchset import (
+    Interrupted,
     PatchError,
     apply_series,
+    describe_os_error,
     format_status,
     revert_series,
     series_state,
 )
 
 PROGRAM = "vllm-minimax"
+
+STATUS_EXIT_CODES = """exit status:
+  0  the series for this vLLM is applied and every file it touched is as it left it
+  1  not applied: the tree is pristine and the series would apply
+  2  anything else: no series for this vLLM version, the series does not apply, files
+     edited or half-applied since apply, a changed series, or an error"""
+
+# Compute capabilities of NVIDIA GPUs that CUDA and vLLM know (Volta to Blackwell). The
+# FlashInfer MSA indexer gates on 9.0, 12.0 and 12.1; doctor shows what the others select.
+KNOWN_CAPABILITIES = (
+    (7, 0), (7, 2), (7, 5),
+    (8, 0), (8, 6), (8, 7), (8, 9),
+    (9, 0),
+    (10, 0), (10, 1), (10, 3),
+    (11, 0),
+    (12, 0), (12, 1),
+)  # fmt: skip
+# Sanity bounds of make-tiny-model's options (the checkpoint is a smoke-test toy).
+MAX_INITIALIZER_RANGE = 1.0
+MAX_MTP_MODULES = 8
+MAX_SEED = 2**63 - 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     revert_parser.add_argument("--target", type=Path, metavar="DIR", help=target_help)
     revert_parser.set_defaults(handler=run_revert)
 
-    status_parser = commands.add_parser("status", help="show whether the series is applied")
+    status_parser = commands.add_parser(
+        "status",
+        help="show whether the series is applied",
+        description="Show whether the series is applied, file by file.",
+        epilog=STATUS_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     status_parser.add_argument("--target", type=Path, metavar="DIR", help=target_help)
     status_parser.set_defaults(handler=run_status)
 
@@ -48,13 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor_parser.add_argument("--target", type=Path, metavar="DIR", help=target_help)
     doctor_parser.add_argument(
-        "--capability", metavar="X.Y", help="GPU compute capability to check for (e.g. 9.0)"
+        "--capability",
+        type=capability_option,
+        metavar="X.Y",
+        help="GPU compute capability to check for, MAJOR.MINOR of a known GPU (e.g. 9.0, 12.1)",
     )
     doctor_parser.add_argument(
         "--indexer-kv-dtype", choices=["bf16", "fp8", "nvfp4"], help="indexer KV cache dtype"
     )
     doctor_parser.add_argument(
-        "--topk-blocks", type=int, metavar="N", help="number of top-k blocks the indexer selects"
+        "--topk-blocks",
+        type=bounded_int(1, 1 << 20),
+        metavar="N",
+        help="number of top-k blocks the indexer selects (default: 16, MiniMax M3's)",
     )
     doctor_parser.add_argument(
         "--indexer-backend",
@@ -83,7 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
         "make-tiny-model",
         help="write a random-weight tiny MiniMax M3 checkpoint (real indexer geometry) to DIR",
     )
-    tiny_parser.add_argument("directory", type=Path, metavar="DIR")
+    tiny_parser.add_argument(
+        "directory", type=Path, metavar="DIR", help="where to write it (must be absent or empty)"
+    )
+    tiny_parser.add_argument(
+        "--force", action="store_true", help="replace DIR even if it is not empty"
+    )
     tiny_parser.add_argument(
         "--kind",
         choices=["minimax-m3", "llama"],
@@ -92,26 +138,68 @@ def build_parser() -> argparse.ArgumentParser:
         " suite's test serves",
     )
     tiny_parser.add_argument(
-        "--seed", type=int, default=0, help="seed for the random weights (default: 0)"
+        "--seed",
+        type=bounded_int(0, MAX_SEED),
+        default=0,
+        help="seed for the random weights (default: 0)",
     )
     tiny_parser.add_argument(
         "--initializer-range",
-        type=float,
+        type=positive_float(MAX_INITIALIZER_RANGE),
         default=None,
-        help="std of the random weights (default: transformers' 0.02)",
+        help="std of the random weights, in (0, 1] (default: transformers' 0.02)",
     )
     tiny_parser.add_argument(
         "--mtp-modules",
-        type=int,
+        type=bounded_int(0, MAX_MTP_MODULES),
         default=0,
         metavar="N",
-        help="also write an N-module MTP draft (speculative decoding) to DIR/mtp (default: 0,"
-        " none)",
+        help="also write an N-module MTP draft (speculative decoding) to DIR/mtp, N <="
+        f" {MAX_MTP_MODULES} (default: 0, none)",
     )
     tiny_parser.set_defaults(handler=run_make_tiny_model)
 
     add_eval_parsers(commands)
     return parser
+
+
+def capability_option(text: str) -> tuple[int, int]:
+    """``--capability``: MAJOR.MINOR of a known GPU generation."""
+    known = ", ".join(f"{major}.{minor}" for major, minor in KNOWN_CAPABILITIES)
+    major, separator, minor = text.strip().partition(".")
+    if separator and major.isdigit() and minor.isdigit():
+        capability = (int(major), int(minor))
+        if capability in KNOWN_CAPABILITIES:
+            return capability
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not the MAJOR.MINOR compute capability of a known GPU; one of: {known}"
+    )
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]")
+        return value
+
+    return parse
+
+
+def positive_float(high: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and 0 < value <= high):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number in (0, {high}]")
+        return value
+
+    return parse
 
 
 def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
@@ -238,8 +326,14 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     ab_parser.set_defaults(handler=run_eval_ab)
 
 
+def print_litter(removed: list[str]) -> None:
+    for path in removed:
+        print(f"  removed  {path} (left by an interrupted run)")
+
+
 def run_apply(args: argparse.Namespace) -> int:
     result = apply_series(args.target)
+    print_litter(result.litter_removed)
     if result.already_applied:
         print(f"already applied: {result.series_dir.name} on {result.root}; nothing changed")
         return 0
@@ -251,6 +345,7 @@ def run_apply(args: argparse.Namespace) -> int:
 
 def run_revert(args: argparse.Namespace) -> int:
     result = revert_series(args.target)
+    print_litter(result.litter_removed)
     print(f"reverted {result.series} on {result.root}")
     for path in result.restored:
         print(f"  restored {path}")
@@ -260,8 +355,9 @@ def run_revert(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    print(format_status(series_state(args.target)))
-    return 0
+    state = series_state(args.target)
+    print(format_status(state))
+    return state.exit_code
 
 
 def run_doctor(args: argparse.Namespace) -> int:
@@ -295,46 +391,84 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
     from vllm_minimax import tiny_model
 
     if args.kind == "llama" and (args.initializer_range is not None or args.mtp_modules):
-        print(
-            "--initializer-range and --mtp-modules apply to --kind minimax-m3 only",
-            file=sys.stderr,
-        )
-        return 2
-    if args.initializer_range is not None and args.initializer_range <= 0:
-        print("--initializer-range must be positive", file=sys.stderr)
-        return 2
+        raise PatchError("--initializer-range and --mtp-modules apply to --kind minimax-m3 only")
+    directory: Path = args.directory
+    check_model_directory(directory, args.force)
     if args.kind == "llama":
         from vllm_minimax.evals.tiny_llama import make_tiny_llama
 
-        made = make_tiny_llama(args.directory, seed=args.seed)
+        made = write_directory_whole(directory, lambda d: make_tiny_llama(d, seed=args.seed))
         print(
             f"wrote a tiny Llama (LlamaForCausalLM, {made['parameters']:,} parameters, vocab"
-            f" {made['vocab_size']}) to {made['directory']}"
+            f" {made['vocab_size']}) to {directory}"
         )
         return 0
 
     initializer_range = args.initializer_range or tiny_model.DEFAULT_INITIALIZER_RANGE
-    if args.mtp_modules < 0:
-        print("--mtp-modules must be 0 or more", file=sys.stderr)
-        return 2
-    made = tiny_model.make_tiny_model(
-        args.directory,
-        seed=args.seed,
-        initializer_range=initializer_range,
-        mtp_modules=args.mtp_modules,
+    made = write_directory_whole(
+        directory,
+        lambda d: tiny_model.make_tiny_model(
+            d, seed=args.seed, initializer_range=initializer_range, mtp_modules=args.mtp_modules
+        ),
     )
     print(
         f"wrote a tiny MiniMax M3 ({tiny_model.ARCHITECTURE}, {made['parameters']:,} parameters"
-        f" in {made['tensors']} tensors) to {made['directory']}"
+        f" in {made['tensors']} tensors) to {directory}"
     )
     if "mtp" in made:
         draft = made["mtp"]
         print(
             f"wrote its {args.mtp_modules}-module MTP draft ({tiny_model.MTP_ARCHITECTURE},"
             f" {draft['parameters']:,} parameters in {draft['tensors']} tensors) to"
-            f" {draft['directory']}"
+            f" {directory / tiny_model.MTP_SUBDIRECTORY}"
         )
     return 0
+
+
+def check_model_directory(directory: Path, force: bool) -> None:
+    """Refuse a DIR that is a file, a link, or a non-empty directory (unless ``force``)."""
+    if directory.is_symlink():
+        raise PatchError(f"{directory} is a symbolic link; pass a real directory")
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise PatchError(f"{directory} exists and is not a directory; pick another DIR")
+    if any(directory.iterdir()) and not force:
+        raise PatchError(
+            f"{directory} is not empty; pass --force to replace what is in it, or pick another DIR"
+        )
+
+
+def write_directory_whole(directory: Path, write: Callable[[Path], Any]) -> Any:
+    """Run ``write`` on a fresh directory beside ``directory``, then move it into place, so a
+    failure leaves ``directory`` as it was (absent, empty, or the old contents)."""
+    parent = directory.absolute().parent
+    created_parents = [p for p in [parent, *parent.parents] if not p.exists()]
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(
+        tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".vllm-minimax-tmp", dir=parent)
+    )
+    old = None
+    try:
+        result = write(staging)
+        os.chmod(staging, 0o755)
+        if directory.exists() and any(directory.iterdir()):
+            old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old.", dir=parent))
+            os.rename(directory, old / "contents")
+        os.replace(staging, directory)  # onto an absent or empty directory
+    except BaseException:
+        if old is not None and not directory.exists():
+            os.rename(old / "contents", directory)
+        shutil.rmtree(staging, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        for created in created_parents:
+            if created.is_dir() and not any(created.iterdir()):
+                created.rmdir()
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return result
 
 
 def run_eval_accuracy(args: argparse.Namespace) -> int:
@@ -426,8 +560,17 @@ def main(argv: list[str] | None = None) -> int:
     except (PatchError, EvalError) as error:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:
+        print(f"{PROGRAM}: error: {describe_os_error(error)}", file=sys.stderr)
+        return 2
+    except Interrupted as error:
+        print(f"{PROGRAM}: {error}", file=sys.stderr)
+        return 130
     except KeyboardInterrupt:
-        print(f"{PROGRAM}: interrupted", file=sys.stderr)
+        if args.command in ("apply", "revert"):
+            print(f"{PROGRAM}: interrupted before any write: nothing was changed", file=sys.stderr)
+        else:
+            print(f"{PROGRAM}: interrupted", file=sys.stderr)
         return 130
 
 

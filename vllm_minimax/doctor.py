@@ -55,12 +55,13 @@ def main(args: argparse.Namespace) -> int:
     if not state.clean:
         print("indexer:      not checked: the series is not cleanly applied to this vLLM")
         return 1
-    capability = probe.parse_capability(args.capability) if args.capability else None
+    # Validated by the CLI: a (major, minor) of a known GPU, or None for this machine.
+    capability: tuple[int, int] | None = args.capability
     if args.target is not None:
         # Select with the vLLM tree that was checked above, not another one.
         sys.path.insert(0, str(state.target))
     dtype = args.indexer_kv_dtype or "bf16"
-    topk_blocks = args.topk_blocks or 16
+    topk_blocks = 16 if args.topk_blocks is None else args.topk_blocks
     selection = probe.select_indexer(
         indexer_kv_dtype=dtype,
         topk_blocks=topk_blocks,

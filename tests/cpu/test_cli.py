@@ -72,8 +72,6 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]
     [
         (["--kind=llama", "--mtp-modules=1"], "apply to --kind minimax-m3 only"),
         (["--kind=llama", "--initializer-range=0.1"], "apply to --kind minimax-m3 only"),
-        (["--initializer-range=0"], "--initializer-range must be positive"),
-        (["--mtp-modules=-1"], "--mtp-modules must be 0 or more"),
     ],
 )
 def test_make_tiny_model_refuses_options_it_would_ignore(
@@ -81,8 +79,119 @@ def test_make_tiny_model_refuses_options_it_would_ignore(
 ) -> None:
     directory = tmp_path / "tiny"
     assert main(["make-tiny-model", str(directory), *options]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("vllm-minimax: error: ") and message in err
     assert not directory.exists()
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ("--initializer-range=0", "not a finite number in (0, 1.0]"),
+        ("--initializer-range=-0.1", "not a finite number in (0, 1.0]"),
+        ("--initializer-range=nan", "not a finite number in (0, 1.0]"),
+        ("--initializer-range=inf", "not a finite number in (0, 1.0]"),
+        ("--initializer-range=-inf", "not a finite number in (0, 1.0]"),
+        ("--initializer-range=1e3", "not a finite number in (0, 1.0]"),
+        ("--initializer-range=abc", "is not a number"),
+        ("--mtp-modules=-1", "-1 is not in [0, 8]"),
+        ("--mtp-modules=1000", "1000 is not in [0, 8]"),
+        ("--seed=-1", "-1 is not in [0, "),
+        ("--seed=99999999999999999999", "is not in [0, "),
+    ],
+)
+def test_make_tiny_model_refuses_absurd_numbers_before_writing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, message: str
+) -> None:
+    directory = tmp_path / "tiny"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["make-tiny-model", str(directory), option])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert option.split("=")[0] in err and message in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_tiny_model_refuses_a_non_empty_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = tmp_path / "tiny"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    assert main(["make-tiny-model", str(directory)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vllm-minimax: error: ") and "is not empty" in err and "--force" in err
+    assert [p.name for p in directory.iterdir()] == ["config.json"]
+    assert (directory / "config.json").read_text() == "{}"
+    (tmp_path / "file").write_text("x")
+    assert main(["make-tiny-model", str(tmp_path / "file")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def fake_writer(fail: bool) -> object:
+    def write(directory: Path, **_: object) -> dict[str, object]:
+        (directory / "config.json").write_text("new")
+        if fail:
+            raise OSError(28, "No space left on device", str(directory / "model.safetensors"))
+        return {"directory": directory, "parameters": 1, "tensors": 1}
+
+    return write
+
+
+def test_make_tiny_model_failure_leaves_the_directory_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_minimax import tiny_model
+
+    monkeypatch.setattr(tiny_model, "make_tiny_model", fake_writer(fail=True))
+    absent = tmp_path / "deeper" / "tiny"
+    assert main(["make-tiny-model", str(absent)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vllm-minimax: error: no space left on the device of ")
+    assert list(tmp_path.iterdir()) == []
+    existing = tmp_path / "tiny"
+    existing.mkdir()
+    (existing / "config.json").write_text("old")
+    assert main(["make-tiny-model", "--force", str(existing)]) == 2
+    capsys.readouterr()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+    assert [p.name for p in existing.iterdir()] == ["config.json"]
+    assert (existing / "config.json").read_text() == "old"
+    monkeypatch.setattr(tiny_model, "make_tiny_model", fake_writer(fail=False))
+    assert main(["make-tiny-model", "--force", str(existing)]) == 0
+    assert f"to {existing}" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+    assert (existing / "config.json").read_text() == "new"
+
+
+@pytest.mark.parametrize(
+    "value", ["abc", "9", "9.0.1", "-1.0", "99.99", "", " ", "9.", ".0", "9.x", "13.0", "6.1"]
+)
+def test_doctor_refuses_an_unknown_capability(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["doctor", f"--capability={value}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--capability" in err and "not the MAJOR.MINOR compute capability" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("value", ["8.0", "8.9", "9.0", "10.0", "10.3", "12.0", "12.1"])
+def test_doctor_accepts_known_capabilities(value: str) -> None:
+    args = cli.build_parser().parse_args(["doctor", "--capability", value])
+    major, minor = value.split(".")
+    assert args.capability == (int(major), int(minor))
+
+
+@pytest.mark.parametrize("value", ["0", "-16", "1.5"])
+def test_doctor_refuses_a_non_positive_topk(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["doctor", f"--topk-blocks={value}"])
+    assert exit_info.value.code == 2
+    assert "--topk-blocks" in capsys.readouterr().err
 
 
 def test_doctor_is_imported_lazily_and_gets_parsed_arguments(
@@ -116,7 +225,7 @@ def test_doctor_is_imported_lazily_and_gets_parsed_arguments(
     assert main(argv) == 3
     (args,) = received
     assert args.target == tmp_path
-    assert args.capability == "12.1"
+    assert args.capability == (12, 1)
     assert args.indexer_kv_dtype == "nvfp4"
     assert args.topk_blocks == 64
     assert args.indexer_backend == "flashinfer"
@@ -162,6 +271,15 @@ def test_apply_default_target_is_installed_vllm(
         return patchset.SeriesState(Path("/x"), "0.34.0", None, False, [])
 
     monkeypatch.setattr(cli, "series_state", fake_series_state)
-    assert main(["status"]) == 0
+    assert main(["status"]) == 2  # no series for this version
     assert seen == [None]
     assert "vLLM version: 0.34.0" in capsys.readouterr().out
+
+
+def test_status_help_documents_the_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["status", "--help"])
+    out = capsys.readouterr().out
+    assert "exit status:" in out
+    for line in ("0  the series for this vLLM is applied", "1  not applied", "2  anything else"):
+        assert line in out, out

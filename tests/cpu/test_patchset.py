@@ -94,7 +94,7 @@ def test_status_before_apply_is_pristine(
     small_target: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out, _ = run_cli(capsys, "status", "--target", str(small_target))
-    assert code == 0
+    assert code == 1
     assert "state:        not applied" in out
     assert f"series:       {REAL_SERIES_DIR}" in out
     for path in real_series_paths():
@@ -194,6 +194,9 @@ def test_unknown_version_lists_supported(
     code, _, err = run_cli(capsys, "apply", "--target", str(small_target))
     assert_clean_failure(code, err, "no patch series for vLLM 0.0.1", "supported", "0.34.0")
     assert tree_manifest(small_target) == before
+    code, out, _ = run_cli(capsys, "status", "--target", str(small_target))
+    assert code == 2
+    assert "no patch series for vLLM 0.0.1" in out
 
 
 def test_edited_file_names_file_and_hunk(
@@ -212,6 +215,7 @@ def test_edited_file_names_file_and_hunk(
     state = series_state(small_target)
     assert dict(state.files)[CONFIG_FILE] == "edited"
     assert state.problem is not None
+    assert run_cli(capsys, "status", "--target", str(small_target))[0] == 2
 
 
 def test_created_file_already_present_without_state(
@@ -239,7 +243,7 @@ def test_state_file_whose_files_no_longer_match(
     assert_clean_failure(code, err, "refusing to revert", f"{CONFIG_FILE} (edited)")
     assert tree_manifest(small_target) == before
     code, out, _ = run_cli(capsys, "status", "--target", str(small_target))
-    assert code == 0
+    assert code == 2
     assert f"edited      {CONFIG_FILE}" in out
     assert "files changed since" in out
 
@@ -437,6 +441,7 @@ def test_changed_series_revision_asks_for_revert(
     assert state.applied and not state.clean
     assert state.problem is not None and "has changed since it was applied" in state.problem
     code, out, _ = run_cli(capsys, "status", "--target", str(series.target))
+    assert code == 2
     assert "has changed since it was applied" in out
 
 
