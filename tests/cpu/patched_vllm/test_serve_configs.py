@@ -5,11 +5,14 @@ parser names resolve in vLLM's own registries; its speculative config builds a
 vLLM SpeculativeConfig against the tiny MiniMax M3 and its MTP draft (the
 published checkpoint is not here); its tensor parallelism keeps FlashInfer's
 per-rank index heads in 1/2/4 for MiniMax M3's geometry; and a multi-node config
-parses with each node's command line into vLLM's ParallelConfig."""
+parses with each node's command line into vLLM's ParallelConfig. The GPU test
+`tests/gpu_e2e/test_serve_chat.py` serves the single-node config scaled to the
+tiny model; its scaled config and tokenizer are checked here too."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +29,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm_minimax.tiny_model import MTP_SUBDIRECTORY, make_tiny_model
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "serve"
+GPU_E2E_DIR = Path(__file__).resolve().parents[2] / "gpu_e2e"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 SERVED_MODEL = "MiniMaxAI/MiniMax-M3"
 # FlashInfer's SM90 fp8 proxy score takes this many index heads per rank.
@@ -286,3 +290,66 @@ def test_vllm_refuses_an_nvfp4_kv_cache_unless_16_query_heads_per_kv_head(tp, re
 @pytest.mark.parametrize(("tp", "heads"), [(1, 4), (2, 2), (4, 1), (8, 1), (16, 1)])
 def test_index_heads_per_rank(tp, heads):
     assert index_heads_per_rank(tp) == heads
+
+
+# --- the GPU serving test's setup --------------------------------------------------------
+
+
+def load_serve_chat_setup():
+    spec = importlib.util.spec_from_file_location(
+        "serve_chat_setup", GPU_E2E_DIR / "serve_chat_setup.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.usefixtures("cpu_device")
+def test_the_gpu_tests_scaled_config_parses_and_builds_mtp(tmp_path, tiny_target):
+    setup = load_serve_chat_setup()
+    target, draft = tiny_target
+    path = setup.write_scaled_config(draft.parent, tmp_path / "serve-chat.yaml")
+    args = parse_serve_args(path)
+    check_parsers(args)
+    engine_args = EngineArgs.from_cli_args(args)
+    assert engine_args.tensor_parallel_size == 1
+    assert not engine_args.enable_expert_parallel
+    written = dict(engine_args.speculative_config)
+    assert written["model"] == str(draft)
+    spec = SpeculativeConfig(
+        **written, target_model_config=target, target_parallel_config=ParallelConfig()
+    )
+    assert spec.method == "mtp" and spec.num_speculative_tokens == 2
+    assert spec.draft_model_config.architectures == ["MiniMaxM3MTP"]
+    single_node = yaml.safe_load(setup.SINGLE_NODE_CONFIG.read_text())
+    scaled = yaml.safe_load(path.read_text())
+    kept = set(single_node) - set(setup.TINY_OVERRIDES) - set(setup.DROPPED_KEYS)
+    assert {key: scaled[key] for key in kept - {"speculative-config"}} == {
+        key: single_node[key] for key in kept - {"speculative-config"}
+    }
+
+
+def test_the_gpu_tests_tokenizer_starts_both_parsers(tmp_path, tiny_target):
+    from vllm.tokenizers import get_tokenizer
+
+    setup = load_serve_chat_setup()
+    _, draft = tiny_target
+    reasoning_parser = ReasoningParserManager.get_reasoning_parser("minimax_m3")
+    tool_parser = ToolParserManager.get_tool_parser("minimax_m3")
+    with pytest.raises(RuntimeError, match="could not locate think start/end tokens"):
+        reasoning_parser(get_tokenizer(str(draft.parent)))
+    tokenizer = get_tokenizer(
+        str(setup.tokenizer_with_reasoning_markers(draft.parent, tmp_path / "tokenizer"))
+    )
+    vocab = tokenizer.get_vocab()
+    assert all(marker in vocab for marker in setup.REASONING_MARKERS)
+    reasoning_parser(tokenizer)
+    tool_parser(tokenizer)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[setup.WEATHER_TOOL],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    assert prompt.endswith("assistant: ")
