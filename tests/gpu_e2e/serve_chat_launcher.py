@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import runpy
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-import mtp_draft
+from vllm_minimax.testing import mtp_draft
 
 mtp_draft.install()
 

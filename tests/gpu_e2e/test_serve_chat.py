@@ -23,13 +23,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from serve_chat_setup import (
+
+from vllm_minimax.evals.server import VllmServer
+from vllm_minimax.testing.serve_chat import (
     WEATHER_TOOL,
     tokenizer_with_reasoning_markers,
     write_scaled_config,
 )
-
-from vllm_minimax.evals.server import VllmServer
 from vllm_minimax.tiny_model import MTP_SUBDIRECTORY
 
 HERE = Path(__file__).parent

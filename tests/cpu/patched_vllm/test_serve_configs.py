@@ -12,7 +12,6 @@ tiny model; its scaled config and tokenizer are checked here too."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,7 +28,6 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm_minimax.tiny_model import MTP_SUBDIRECTORY, make_tiny_model
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "serve"
-GPU_E2E_DIR = Path(__file__).resolve().parents[2] / "gpu_e2e"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 SERVED_MODEL = "MiniMaxAI/MiniMax-M3"
 # FlashInfer's SM90 fp8 proxy score takes this many index heads per rank.
@@ -296,13 +294,9 @@ def test_index_heads_per_rank(tp, heads):
 
 
 def load_serve_chat_setup():
-    spec = importlib.util.spec_from_file_location(
-        "serve_chat_setup", GPU_E2E_DIR / "serve_chat_setup.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from vllm_minimax.testing import serve_chat
+
+    return serve_chat
 
 
 @pytest.mark.usefixtures("cpu_device")
