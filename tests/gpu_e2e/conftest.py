@@ -179,7 +179,7 @@ def workspace_result(request) -> dict:
         ]
         began = time.perf_counter()
         with log.open("w") as handle:
-            subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, timeout=1200, check=False)
+            subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, timeout=560, check=False)
         print(f"e2e: {WORKSPACE_RUN} took {time.perf_counter() - began:.0f}s", flush=True)
     if not out.exists():
         return {"error": f"no result; log tail:\n{log.read_text(errors='replace')[-3000:]}"}
