@@ -130,7 +130,7 @@ def gpu_slug() -> str:
 
 def kernel_calls(run):
     """The FlashInfer calls with exactly the arguments the patched forward
-    passes (q after its prefill slack step), prepared beforehand, for the
+    passes (q after its prefill-regime slack step), prepared beforehand, for the
     overhead comparison: one pair per entry of the patch's `md.calls` (one
     per side of a mixed batch)."""
     mod, md, impl, batch = run.module, run.metadata, run.impl, run.batch
@@ -140,12 +140,12 @@ def kernel_calls(run):
     k_pages = kv.view(kv.shape[0], 1, 128, impl.index_head_dim)
     buf = impl.topk_indices_buffer
     fb = min(impl.init_blocks, md.max_k_tiles, impl.topk_blocks)
-    fe = min(md.local_blocks, impl.topk_blocks - fb)
+    fe = min(impl.local_blocks, impl.topk_blocks - fb)
     proxy, topk = mod.msa_proxy_score, mod.msa_topk_select
     pairs = []
     for c in md.calls:
         q = q_all[c.token_start : c.token_end]
-        if c.is_prefill:
+        if c.prefill_regime:
             q = mod._with_overread_slack(q)
         pairs.append(
             (

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         if len(md.calls) == 1:  # the host split of a single pair
             (c,) = md.calls
             q = iq[: md.num_actual_tokens].view(-1, case.heads, 128)
-            if c.is_prefill:
+            if c.prefill_regime:
                 q = module._with_overread_slack(q)
             kp = batch.kv_cache.view(batch.kv_cache.shape[0], 1, 128, 128)
 

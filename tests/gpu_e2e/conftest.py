@@ -152,3 +152,35 @@ def engine_results(request) -> dict[str, EngineResult]:
     model = request.getfixturevalue("tiny_model")
     out_dir = request.getfixturevalue("e2e_dir")
     return {name: _run_engine(name, run, model, out_dir) for name, run in ENGINE_RUNS.items()}
+
+
+# The score-workspace run (test_score_workspace.py): one long-context engine.
+WORKSPACE_RUN = "score-workspace"
+WORKSPACE_MAX_MODEL_LEN = 1 << 20
+
+
+@pytest.fixture(scope="session")
+def workspace_result(request) -> dict:
+    """`workspace_run.py`'s JSON (run once, or read from the saved runs)."""
+    saved = os.environ.get(SAVED_RUNS_ENV)
+    if saved:
+        out = Path(saved) / f"{WORKSPACE_RUN}.json"
+        return json.loads(out.read_text()) if out.exists() else {"error": f"{out} not saved"}
+    model = request.getfixturevalue("tiny_model")
+    out_dir: Path = request.getfixturevalue("e2e_dir")
+    out, log = out_dir / f"{WORKSPACE_RUN}.json", out_dir / f"{WORKSPACE_RUN}.log"
+    if not out.exists():
+        cmd = [
+            sys.executable,
+            str(HERE / "workspace_run.py"),
+            f"--model={model}",
+            f"--max-model-len={WORKSPACE_MAX_MODEL_LEN}",
+            f"--out={out}",
+        ]
+        began = time.perf_counter()
+        with log.open("w") as handle:
+            subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, timeout=560, check=False)
+        print(f"e2e: {WORKSPACE_RUN} took {time.perf_counter() - began:.0f}s", flush=True)
+    if not out.exists():
+        return {"error": f"no result; log tail:\n{log.read_text(errors='replace')[-3000:]}"}
+    return json.loads(out.read_text())

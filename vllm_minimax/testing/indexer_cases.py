@@ -75,9 +75,11 @@ def decode(name, batch, kv, *, heads=1, dtype="fp8", q=1, ragged=True, kv_min=No
 
 
 def cases_for_tests() -> list[IndexerCase]:
-    """The issue's matrix: decode 1..256 up to 256k, MTP 2 and 4, prefill with
-    and without context, mixed, ragged mid-page ends, < 16 blocks, 1/2/4 heads,
-    fp8 everywhere and bf16 for decode/MTP."""
+    """The issue's matrix: decode 1..256 up to 256k, MTP query lengths 2, 4 and
+    5, prefill with and without context, mixed, ragged mid-page ends, < 16
+    blocks, 1/2/4 heads, fp8 everywhere and bf16 for decode/MTP up to query
+    length 4. Query length 5 (4 speculative tokens) is FlashInfer's prefill
+    regime on the decode side, which takes only fp8 on SM90."""
     out: list[IndexerCase] = []
     for dt in ("fp8", "bf16"):
         for h in (1, 2, 4):
@@ -92,6 +94,9 @@ def cases_for_tests() -> list[IndexerCase]:
         out.append(decode(f"decode_b256_16k_h4_{dt}", 256, 16384, heads=4, dtype=dt))
         out.append(decode(f"decode_b2_init2_h1_{dt}", 2, 20000, dtype=dt, init_blocks=2))
         out.append(decode(f"mtp4_b4_short_h4_{dt}", 4, 1500, heads=4, dtype=dt, q=4, kv_min=4))
+    for h in (1, 2, 4):
+        out.append(decode(f"mtp5_b8_32k_h{h}_fp8", 8, 32768, heads=h, q=5))
+    out.append(decode("mtp5_b1_short_h1_fp8", 1, 700, q=5, kv_min=5))
     for h in (1, 2, 4):
         out.append(IndexerCase(f"prefill_3000_noctx_h{h}_fp8", "prefill", ((3000, 3000),), h))
         out.append(IndexerCase(f"prefill_2048_on_60k_h{h}_fp8", "prefill", ((2048, 62000),), h))
@@ -143,6 +148,17 @@ def cases_for_tests() -> list[IndexerCase]:
             1,
             kv_min=2,
             kv_max=40000,
+            tags=("mtp",),
+        )
+    )
+    out.append(
+        IndexerCase(
+            "mixed_mtp5_4req_300chunk_h2_fp8",
+            "mixed",
+            ((5, None),) * 4 + ((300, 4300),),
+            2,
+            kv_min=5,
+            kv_max=20000,
             tags=("mtp",),
         )
     )

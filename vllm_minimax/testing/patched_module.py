@@ -16,8 +16,10 @@ from what the patch does. This module
 The stand-ins carry the same fields as vLLM 0.34.0's classes
 (`MiniMaxM3IndexerMetadataBuilder.__init__`'s buffers and
 `reorder_batch_threshold`, `MiniMaxM3IndexerMetadata`'s fields,
-`MiniMaxM3IndexerImpl`'s attributes, `CommonAttentionMetadata`'s fields) and
-`split_decodes_and_prefills` is vLLM 0.34.0's own code, copied.
+`MiniMaxM3IndexerImpl`'s attributes, `CommonAttentionMetadata`'s fields),
+`split_decodes_and_prefills` is vLLM 0.34.0's own code, copied, and the
+workspace manager hands out views of one growing buffer as vLLM's
+`WorkspaceManager.get_simultaneous` does.
 
 The shim's modules are placed in `sys.modules` only while the patched source is
 executed and restored afterwards, so a real vLLM in the same process is left as
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import subprocess
 import sys
 import tempfile
@@ -86,8 +89,8 @@ def patched_source(version: str = SERIES_VERSION, path: str = NEW_FILE) -> str:
 # Stand-ins for the vLLM 0.34.0 names the patched module imports.
 # ---------------------------------------------------------------------------
 class VllmConfig:
-    """Just what the builders read: model_config.hf_config and
-    scheduler_config.max_num_batched_tokens."""
+    """Just what the builders and the impl read: model_config.hf_config and
+    max_model_len, scheduler_config.max_num_batched_tokens."""
 
     def __init__(
         self,
@@ -96,6 +99,7 @@ class VllmConfig:
         index_local_blocks: int = 1,
         index_topk_blocks: int = 16,
         max_num_batched_tokens: int = 16384,
+        max_model_len: int = 262144,
         num_speculative_tokens: int = 0,
     ) -> None:
         text_config = SimpleNamespace(
@@ -103,9 +107,78 @@ class VllmConfig:
             index_local_blocks=index_local_blocks,
             index_topk_blocks=index_topk_blocks,
         )
-        self.model_config = SimpleNamespace(hf_config=SimpleNamespace(text_config=text_config))
+        self.model_config = SimpleNamespace(
+            hf_config=SimpleNamespace(text_config=text_config), max_model_len=max_model_len
+        )
         self.scheduler_config = SimpleNamespace(max_num_batched_tokens=max_num_batched_tokens)
         self.num_speculative_tokens = num_speculative_tokens
+
+
+_CURRENT_VLLM_CONFIG: list[VllmConfig] = []
+
+
+def get_current_vllm_config() -> VllmConfig:
+    """The config `make_impl` constructs the impl under."""
+    assert _CURRENT_VLLM_CONFIG, "no current vLLM config (construct through make_impl)"
+    return _CURRENT_VLLM_CONFIG[-1]
+
+
+@contextlib.contextmanager
+def current_vllm_config(config: VllmConfig) -> Iterator[None]:
+    _CURRENT_VLLM_CONFIG.append(config)
+    try:
+        yield
+    finally:
+        _CURRENT_VLLM_CONFIG.pop()
+
+
+def cdiv(a: int, b: int) -> int:
+    """vllm.utils.math_utils.cdiv."""
+    return -(a // -b)
+
+
+_VIEW_ALIGNMENT = 256
+
+
+class WorkspaceManager:
+    """vLLM 0.34.0's `WorkspaceManager.get_simultaneous` for one ubatch and
+    lane: views from the start of one uint8 buffer, grown (never shrunk) to
+    the largest request, each view starting 256-byte aligned."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.buffer: torch.Tensor | None = None
+
+    def get_simultaneous(
+        self, *shapes_and_dtypes: tuple[tuple[int, ...], torch.dtype]
+    ) -> list[torch.Tensor]:
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in shapes_and_dtypes]
+        aligned = [-(-n // _VIEW_ALIGNMENT) * _VIEW_ALIGNMENT for n in sizes]
+        total = sum(aligned)
+        if self.buffer is None or self.buffer.numel() < total:
+            self.buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+        views, offset = [], 0
+        for (shape, dtype), n, step in zip(shapes_and_dtypes, sizes, aligned, strict=True):
+            views.append(self.buffer[offset : offset + n].view(dtype).reshape(shape))
+            offset += step
+        return views
+
+
+_WORKSPACE: list[WorkspaceManager] = []
+
+
+def current_workspace_manager() -> WorkspaceManager:
+    """The process's one manager (`init_workspace_manager`)."""
+    assert _WORKSPACE, "no workspace manager (construct the impl through make_impl)"
+    return _WORKSPACE[0]
+
+
+def init_workspace_manager(device: torch.device | str) -> WorkspaceManager:
+    """The process's manager, made on `device` unless it is already there."""
+    device = torch.device(device)
+    if not _WORKSPACE or _WORKSPACE[0].device != device:
+        _WORKSPACE[:] = [WorkspaceManager(device)]
+    return _WORKSPACE[0]
 
 
 @dataclass
@@ -202,8 +275,11 @@ class AttentionBackend:
     """Stand-in base class."""
 
 
+@dataclass
 class AttentionSpec:
-    """Stand-in (the patched builder only passes it through)."""
+    """Stand-in: the patched builder reads its block size."""
+
+    block_size: int = 128
 
 
 class MiniMaxM3IndexerBackend(AttentionBackend):
@@ -322,7 +398,9 @@ def _shim_modules(msa_ops: Any) -> dict[str, types.ModuleType]:
 
     mods = {
         "vllm": mod("vllm"),
-        "vllm.config": mod("vllm.config", VllmConfig=VllmConfig),
+        "vllm.config": mod(
+            "vllm.config", VllmConfig=VllmConfig, get_current_vllm_config=get_current_vllm_config
+        ),
         "vllm.forward_context": mod(
             "vllm.forward_context", get_forward_context=get_forward_context
         ),
@@ -350,6 +428,12 @@ def _shim_modules(msa_ops: Any) -> dict[str, types.ModuleType]:
         ),
         "vllm.v1.kv_cache_interface": mod(
             "vllm.v1.kv_cache_interface", AttentionSpec=AttentionSpec
+        ),
+        "vllm.utils": mod("vllm.utils"),
+        "vllm.utils.math_utils": mod("vllm.utils.math_utils", cdiv=cdiv),
+        "vllm.v1.worker": mod("vllm.v1.worker"),
+        "vllm.v1.worker.workspace": mod(
+            "vllm.v1.worker.workspace", current_workspace_manager=current_workspace_manager
         ),
     }
     if msa_ops is not None:
@@ -398,7 +482,7 @@ def reference_msa_ops() -> SimpleNamespace:
         **_: Any,
     ):
         assert causal and cu_seqlens_k is None
-        return reference.proxy_score(
+        scores = reference.proxy_score(
             q,
             k,
             cu_seqlens_q,
@@ -406,6 +490,12 @@ def reference_msa_ops() -> SimpleNamespace:
             seqused_k=seqused_k,
             max_k_tiles=max_k_tiles,
         )
+        if output is None:
+            return scores
+        # FlashInfer's checks, then the scores written into `output`.
+        assert output.shape == scores.shape and output.dtype == torch.float32
+        output.copy_(scores)
+        return output
 
     def msa_topk_select(
         max_score,
@@ -478,7 +568,10 @@ def make_builder(
     local_blocks: int = 1,
     reorder_batch_threshold: int = 1,
     max_num_batched_tokens: int = 65536,
+    block_size: int = 128,
 ):
+    """`local_blocks` is the model config's `index_local_blocks`, which the
+    patched builder does not read (the impl's own `local_blocks` is used)."""
     config = VllmConfig(
         index_n_heads=num_index_heads,
         index_local_blocks=local_blocks,
@@ -486,7 +579,7 @@ def make_builder(
         num_speculative_tokens=reorder_batch_threshold - 1,
     )
     return module.MiniMaxM3IndexerFlashInferMetadataBuilder(
-        AttentionSpec(), ["layer.0"], config, torch.device(device)
+        AttentionSpec(block_size=block_size), ["layer.0"], config, torch.device(device)
     )
 
 
@@ -499,16 +592,28 @@ def make_impl(
     init_blocks: int = 1,
     local_blocks: int = 1,
     topk_blocks: int = 16,
+    max_model_len: int = 262144,
+    max_num_batched_tokens: int = 65536,
 ):
-    return module.MiniMaxM3IndexerFlashInferImpl(
-        kv_cache=kv_cache,
-        num_index_heads=num_index_heads,
-        index_head_dim=kv_cache.shape[-1],
-        topk_blocks=topk_blocks,
-        init_blocks=init_blocks,
-        local_blocks=local_blocks,
-        topk_indices_buffer=topk_indices_buffer,
+    """The impl, constructed under a config of `max_model_len` and
+    `max_num_batched_tokens`, with the stand-in workspace manager of the
+    cache's device made current for its forward calls."""
+    init_workspace_manager(kv_cache.device)
+    config = VllmConfig(
+        index_n_heads=num_index_heads,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
+    with current_vllm_config(config):
+        return module.MiniMaxM3IndexerFlashInferImpl(
+            kv_cache=kv_cache,
+            num_index_heads=num_index_heads,
+            index_head_dim=kv_cache.shape[-1],
+            topk_blocks=topk_blocks,
+            init_blocks=init_blocks,
+            local_blocks=local_blocks,
+            topk_indices_buffer=topk_indices_buffer,
+        )
 
 
 def make_common_metadata(

@@ -98,7 +98,7 @@ def _audit_step(impl, index_query: torch.Tensor) -> None:
     kv = impl.index_cache.kv_cache
     k_pages = kv.view(kv.shape[0], 1, PAGE, impl.index_head_dim)
     force_begin = min(impl.init_blocks, md.max_k_tiles, impl.topk_blocks)
-    force_end = min(md.local_blocks, impl.topk_blocks - force_begin)
+    force_end = min(impl.local_blocks, impl.topk_blocks - force_begin)
     AUDIT.steps += 1
     kinds = {call.is_prefill for call in md.calls}
     mixed = len(kinds) == 2

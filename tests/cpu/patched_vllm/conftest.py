@@ -59,3 +59,15 @@ sys.path.insert(0, str(PATCHED_VLLM_ROOT))
 def patched_vllm_root() -> Path:
     """The temporary vLLM tree these tests import, with the series applied."""
     return PATCHED_VLLM_ROOT
+
+
+@pytest.fixture(autouse=True)
+def cpu_workspace():
+    """vLLM's workspace manager on the CPU, fresh per test, as the GPU worker
+    makes one (the FlashInfer indexer scores into it)."""
+    import torch
+    from vllm.v1.worker import workspace
+
+    workspace.init_workspace_manager(torch.device("cpu"))
+    yield workspace.current_workspace_manager()
+    workspace.reset_workspace_manager()

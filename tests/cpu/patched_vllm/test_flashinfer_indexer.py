@@ -111,7 +111,10 @@ def make_builder(index_heads: int = 1, local_blocks: int = 1, threshold: int = 1
         parallel_config=types.SimpleNamespace(decode_context_parallel_size=1),
     )
     builder = fi_mod.MiniMaxM3IndexerFlashInferMetadataBuilder(
-        kv_cache_spec=None, layer_names=["l"], vllm_config=vllm_config, device=torch.device("cpu")
+        kv_cache_spec=types.SimpleNamespace(block_size=PAGE),
+        layer_names=["l"],
+        vllm_config=vllm_config,
+        device=torch.device("cpu"),
     )
     # What _init_reorder_batch_threshold sets from a speculative config with
     # threshold - 1 speculative tokens.
@@ -142,7 +145,6 @@ def test_builder_fields(name):
     assert torch.equal(md.proxy_page_table, batch.metadata.block_table_tensor)
     assert md.proxy_max_seqlen_q == max(batch.query_lens)
     assert md.max_k_tiles == -(-max(batch.seq_lens) // PAGE)
-    assert md.local_blocks == 1
     assert md.max_seq_len == max(batch.seq_lens)
     assert md.num_valid_pages.dtype == torch.int32
     assert md.num_valid_pages.tolist() == [p // PAGE + 1 for p in batch.positions]
@@ -215,11 +217,6 @@ def test_full_graph_decode_reads_only_stable_buffers(query_len):
     assert graph_call.seqused_k.tolist() == replay.seq_lens
 
 
-def test_builder_takes_the_local_window_from_the_model_config():
-    batch = make_batch(*BATCHES["decode"])
-    assert make_builder(local_blocks=3).build(0, batch.metadata).local_blocks == 3
-
-
 class ReferenceKernels:
     """msa_proxy_score / msa_topk_select stand-ins: FlashInfer's argument checks,
     then the float32 reference. Records what the impl passed."""
@@ -229,7 +226,7 @@ class ReferenceKernels:
         self.topk_calls: list[dict] = []
 
     def msa_proxy_score(self, q, k, cu_seqlens_q, *, page_table, seqused_k, causal,
-                        max_seqlen_q, max_k_tiles):  # fmt: skip
+                        max_seqlen_q, max_k_tiles, output):  # fmt: skip
         assert causal is True
         assert q.ndim == 3 and q.shape[2] == 128 and k.shape[1:] == (1, PAGE, 128)
         if q.dtype == torch.float8_e4m3fn:
@@ -244,8 +241,15 @@ class ReferenceKernels:
                 storage=q.untyped_storage().nbytes(),
             )
         )
-        return reference.proxy_score(
-            q, k, cu_seqlens_q, page_table=page_table, seqused_k=seqused_k, max_k_tiles=max_k_tiles
+        return output.copy_(
+            reference.proxy_score(
+                q,
+                k,
+                cu_seqlens_q,
+                page_table=page_table,
+                seqused_k=seqused_k,
+                max_k_tiles=max_k_tiles,
+            )
         )
 
     def msa_topk_select(self, max_score, topk, *, num_valid_pages, force_begin_blocks,

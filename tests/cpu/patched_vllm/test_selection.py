@@ -101,7 +101,6 @@ def _gate(**overrides):
         topk_blocks=16,
         index_head_dim=128,
         sparse_block_size=128,
-        kv_block_size=128,
         num_index_heads=1,
         indexer_kv_dtype="fp8",
     )
@@ -117,8 +116,7 @@ def _gate(**overrides):
         ((9, 0), {"indexer_kv_dtype": "fp8_e4m3"}, None),
         ((12, 1), {"indexer_kv_dtype": "bf16", "num_index_heads": 8}, None),
         ((9, 0), {"index_head_dim": 64}, "index head dim 64"),
-        ((9, 0), {"sparse_block_size": 64}, "sparse block 64 and KV page 128"),
-        ((12, 0), {"kv_block_size": 64}, "KV page 64"),
+        ((9, 0), {"sparse_block_size": 64}, "sparse block 64"),
         ((9, 0), {"num_index_heads": 8}, "8 index heads per rank"),
         ((9, 0), {"indexer_kv_dtype": "bf16"}, "set indexer_kv_dtype=fp8"),
         ((12, 0), {"indexer_kv_dtype": "nvfp4"}, "index cache is nvfp4"),
