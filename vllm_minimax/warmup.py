@@ -19,7 +19,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,17 +52,21 @@ def cache_location(cache_dir: Path | None) -> CacheLocation:
 
 
 def check_writable(location: CacheLocation, min_free_bytes: int = MIN_FREE_BYTES) -> None:
-    """Raise WarmupError unless the cache directory can take the build."""
+    """Raise WarmupError unless the cache directory can take the build. Creates
+    nothing: the deepest existing directory on its path must be writable."""
     root = location.flashinfer_root
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".warmup-probe-"):
-            pass
-    except OSError as error:
+    existing = root
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
         raise WarmupError(
-            f"FlashInfer cache directory {root} is not writable: {error.strerror or error}"
-        ) from error
-    free = shutil.disk_usage(root).free
+            f"FlashInfer cache directory {root} is not writable: {existing} is not a directory"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise WarmupError(
+            f"FlashInfer cache directory {root} is not writable: no write permission on {existing}"
+        )
+    free = shutil.disk_usage(existing).free
     if free < min_free_bytes:
         raise WarmupError(
             f"FlashInfer cache directory {root} has {free // 2**20} MiB free; the warm-up"
@@ -139,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     jit_dir = Path(jit_env.FLASHINFER_JIT_DIR)
+    jit_dir.mkdir(parents=True, exist_ok=True)
     version_dir = jit_dir.parent.parent.name
     arch_dir = jit_dir.parent.name
     print(f"FlashInfer {version_dir}, cache {jit_dir}")
