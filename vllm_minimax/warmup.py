@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     for path in other_caches(location, version_dir, arch_dir):
         print(f"ignored (another FlashInfer version or GPU): {path}")
     print(f"geometry: {geometry}")
-    programs = warmup.indexer_flashinfer_programs(geometry)
+    programs = warmup.cached_indexer_flashinfer_programs(geometry)
     print(f"{len(programs)} programs:")
     began = time.perf_counter()
     done = 0

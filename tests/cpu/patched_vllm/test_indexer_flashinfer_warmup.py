@@ -215,3 +215,21 @@ def test_geometry_follows_the_engine_config():
         ).max_query_len
         == 1
     )
+
+
+def test_program_list_is_kept_beside_the_jit_cache(tmp_path, monkeypatch):
+    from flashinfer.jit import env as jit_env
+
+    monkeypatch.setattr(jit_env, "FLASHINFER_WORKSPACE_DIR", tmp_path)
+    geometry = _geometry(2, 4096, 300)
+    first = warmup.cached_indexer_flashinfer_programs(geometry)
+    assert first == warmup.indexer_flashinfer_programs(geometry)
+
+    def no_sweep(geometry):
+        raise AssertionError("swept again although the list was kept")
+
+    monkeypatch.setattr(warmup, "indexer_flashinfer_programs", no_sweep)
+    assert warmup.cached_indexer_flashinfer_programs(geometry) == first
+    # Another geometry is not served from that list.
+    with pytest.raises(AssertionError, match="swept again"):
+        warmup.cached_indexer_flashinfer_programs(_geometry(2, 4096, 301))
