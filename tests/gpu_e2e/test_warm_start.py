@@ -18,12 +18,14 @@ each in a fresh process on an empty FlashInfer cache (`warm_start_run.py`):
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ from conftest import SAVED_RUNS_ENV
 from warm_start_run import READY_MARKER
 
 HERE = Path(__file__).parent
+RUN_EAGER = {"warm-start-graphs": False, "warm-start-eager": True}
 
 # A first run may take this much longer than the same shape's steady state.
 FIRST_RUN_RATIO = 1.5
@@ -70,24 +73,23 @@ def _run(name: str, eager: bool, model: Path, out_dir: Path) -> tuple[dict, str]
 
 
 @pytest.fixture(scope="module")
-def runs(request) -> dict[str, tuple[dict, str]]:
+def runs(request) -> Callable[[str], tuple[dict, str]]:
+    """The run of a name, started at the first test that needs it (so ``-k graphs``
+    skips the eager engine), or read from the saved runs."""
     saved = os.environ.get(SAVED_RUNS_ENV)
-    if saved:
-        directory = Path(saved)
-        return {
-            name: (
-                json.loads((directory / f"{name}.json").read_text()),
-                (directory / f"{name}.log").read_text(errors="replace"),
-            )
-            for name in ("warm-start-graphs", "warm-start-eager")
-            if (directory / f"{name}.json").exists()
-        }
-    model = request.getfixturevalue("tiny_model")
-    out_dir = request.getfixturevalue("e2e_dir")
-    return {
-        "warm-start-graphs": _run("warm-start-graphs", False, model, out_dir),
-        "warm-start-eager": _run("warm-start-eager", True, model, out_dir),
-    }
+
+    @functools.cache
+    def run(name: str) -> tuple[dict, str]:
+        if saved:
+            out, log = Path(saved) / f"{name}.json", Path(saved) / f"{name}.log"
+            if not out.exists():
+                pytest.fail(f"{name} is not among the saved runs")
+            return json.loads(out.read_text()), log.read_text(errors="replace")
+        model = request.getfixturevalue("tiny_model")
+        out_dir = request.getfixturevalue("e2e_dir")
+        return _run(name, RUN_EAGER[name], model, out_dir)
+
+    return run
 
 
 def _builds_after_ready(data: dict) -> list[dict]:
@@ -109,10 +111,8 @@ def _stalls(data: dict) -> dict[str, tuple[float, float]]:
     }
 
 
-def _get(runs: dict, name: str) -> tuple[dict, str]:
-    if name not in runs:
-        pytest.fail(f"{name} is not among the saved runs")
-    data, log = runs[name]
+def _get(runs: Callable[[str], tuple[dict, str]], name: str) -> tuple[dict, str]:
+    data, log = runs(name)
     assert "error" not in data, f"{name}: {data['error']}\n{log[-3000:]}"
     return data, log
 
