@@ -233,3 +233,25 @@ def test_program_list_is_kept_beside_the_jit_cache(tmp_path, monkeypatch):
     # Another geometry is not served from that list.
     with pytest.raises(AssertionError, match="swept again"):
         warmup.cached_indexer_flashinfer_programs(_geometry(2, 4096, 301))
+
+
+def test_vllm_warmup_registry_builds_each_geometry_once(monkeypatch):
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    built = []
+    monkeypatch.setattr(
+        warmup,
+        "build_indexer_flashinfer_programs",
+        lambda geometry: (built.append(geometry) or [], 0, 0.0),
+    )
+    monkeypatch.setattr(warmup._JIT, "_compiled_cache", {})
+    registry = JitWarmupRegistry(vllm_config=None)
+    geometry = _geometry(1, 8192, 1024)
+    with registry.activate():
+        for _layer in range(3):  # every sparse layer registers the same geometry
+            warmup._JIT.register_warmup(**vars(geometry))
+        # Not the FlashInfer indexer: nothing to warm.
+        warmup.register_indexer_flashinfer_warmup(object(), vllm_config=None)
+    assert len(registry) == 1
+    registry.warmup()
+    assert built == [geometry]
