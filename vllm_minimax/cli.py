@@ -159,6 +159,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny_parser.set_defaults(handler=run_make_tiny_model)
 
+    warmup_parser = commands.add_parser(
+        "warmup",
+        help="prebuild FlashInfer's JIT cache for a serving config (on the serving GPU)",
+    )
+    warmup_parser.add_argument(
+        "--config", type=Path, required=True, metavar="YAML", help="a vllm serve config"
+    )
+    warmup_parser.add_argument(
+        "--model",
+        default="MiniMaxAI/MiniMax-M3",
+        help="the model served (name or local path; default: MiniMaxAI/MiniMax-M3)",
+    )
+    warmup_parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="FLASHINFER_WORKSPACE_BASE to build into (default: $FLASHINFER_WORKSPACE_BASE,"
+        " else the home directory); the cache lands in DIR/.cache/flashinfer",
+    )
+    warmup_parser.set_defaults(handler=run_warmup)
+
     add_eval_parsers(commands)
     return parser
 
@@ -200,6 +221,12 @@ def positive_float(high: float) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def run_warmup(args: argparse.Namespace) -> int:
+    from vllm_minimax import warmup
+
+    return warmup.main(args)
 
 
 def add_eval_parsers(commands: argparse._SubParsersAction) -> None:

@@ -18,7 +18,7 @@ import pytest
 from patchset_helpers import REAL_PATCHES_ROOT, REAL_SERIES_DIR, git_run
 
 from vllm_minimax import devtree
-from vllm_minimax.patchset import PatchError, parse_series_file
+from vllm_minimax.patchset import PatchError, parse_series_file, read_series
 
 # Fixed identity and dates make the pristine commit the same on every machine.
 PRISTINE_COMMIT_0_34_0 = "52700e0d50ee1238fd95a5f3eb39aacad52a9408"
@@ -92,12 +92,13 @@ def test_export_refuses_dirty_tree_and_writes_new_commits(
         git_run(checkout_dir, "commit", "--quiet", "-m", "[MiniMax M3] Scratch module")
         exported = devtree.export(checkout_dir, patches_dir=patches_root)
         names = [path.name for path in exported.patch_files]
-        assert names[-1] == "0004-MiniMax-M3-Scratch-module.patch"
+        count = len(read_series(REAL_SERIES_DIR)) + 1
+        assert names[-1] == f"{count:04d}-MiniMax-M3-Scratch-module.patch"
         series = parse_series_file((exported.series_dir / "series").read_text())
         assert series == names
         text = (exported.series_dir / names[-1]).read_text()
         assert text.startswith("From 0000000000000000000000000000000000000000 ")
-        assert "Subject: [PATCH 4/4] [MiniMax M3] Scratch module" in text
+        assert f"Subject: [PATCH {count}/{count}] [MiniMax M3] Scratch module" in text
         assert "+VALUE = 1" in text
         assert not text.rstrip().endswith(("2.39.5", "--"))
     finally:

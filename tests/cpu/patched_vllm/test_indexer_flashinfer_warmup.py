@@ -1,0 +1,257 @@
+"""Patch 0004's warm-up builds exactly the FlashInfer programs an engine can reach.
+
+The reference runs FlashInfer 0.7.4's own SM90 dispatch (`_sm90_dispatch`'s
+`proxy_score_sm90` and `topk_select_sm90`) on meta tensors for every shape an
+engine of the config can produce (top-k: every score width and token count;
+proxy score: every regime over batches of 1 to 3 requests), with the step that
+builds a program stubbed to record the program's name (the Cake program, or the
+CuTe-DSL kernel's `module/kernel` name as FlashInfer's JIT cache names it). The
+warm-up's own calls go through the same stubbed dispatch: both sets must match.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("flashinfer.msa_ops.cake_hopper_sm90")
+
+from flashinfer.jit.cake_hopper_msa import ROUTES
+from flashinfer.msa_ops import _sm90_dispatch, cake_hopper_sm90
+from flashinfer.msa_ops.cute_dsl import (
+    proxy_score_decode_sm90,
+    proxy_score_prefill_sm90,
+    topk_select_sm90,
+)
+from vllm.models.minimax_m3.nvidia import indexer_flashinfer_warmup as warmup
+
+H200_SMS = 132
+META = torch.device("meta")
+HEAD_DIM = 128
+
+
+class _Recorder:
+    """Stubs FlashInfer's build steps; ``programs`` collects what would be built."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.programs: set[str] = set()
+        noop = lambda *args, **kwargs: None  # noqa: E731
+
+        def cute_build(module_name, kernel_name, compile_fn, extra_key_files=()):
+            self.programs.add(f"cute:{module_name}/{kernel_name}")
+            return noop
+
+        def cake_topk(max_score, topk, output, *, num_valid_pages=None, **forced):
+            hq, tiles, total_q = max_score.shape
+            _, name = cake_hopper_sm90._topk_resolution(
+                num_heads=hq,
+                tiles=tiles,
+                total_q=total_q,
+                num_sms=H200_SMS,
+                masked=True,
+                nvp=num_valid_pages is not None,
+            )
+            self.programs.add(f"cake:{name}")
+
+        def cake_proxy_prefill(q, k, cu, *, per_head, max_seqlen_q, batch_size, **kw):
+            plan = cake_hopper_sm90.plan_proxy_score_prefill(
+                hq=q.shape[1],
+                batch=batch_size,
+                max_k_tiles=per_head.shape[1],
+                max_seqlen_q=max_seqlen_q,
+                use_fp32_acc=kw.get("use_fp32_acc", True),
+                num_sms=H200_SMS,
+            )
+            self.programs.add(f"cake:{ROUTES[plan.route]}")
+
+        def cake_proxy_decode(q, k, *, max_seqlen_q, **kw):
+            route = cake_hopper_sm90.proxy_route(
+                q_dtype=q.dtype, num_q_heads=q.shape[1], max_seqlen_q=max_seqlen_q
+            )
+            self.programs.add(f"cake:{ROUTES[route]}")
+
+        monkeypatch.setattr(_sm90_dispatch, "_sm_count", lambda device: H200_SMS)
+        monkeypatch.setattr(cake_hopper_sm90, "hopper_msa_topk_select", cake_topk)
+        monkeypatch.setattr(cake_hopper_sm90, "hopper_msa_proxy_score_prefill", cake_proxy_prefill)
+        monkeypatch.setattr(cake_hopper_sm90, "hopper_msa_proxy_score_decode", cake_proxy_decode)
+        for module in (topk_select_sm90, proxy_score_decode_sm90, proxy_score_prefill_sm90):
+            monkeypatch.setattr(module, "build_and_load_cute_dsl_kernel", cute_build)
+            monkeypatch.setattr(module, "_kf_stream", noop)
+        monkeypatch.setattr(topk_select_sm90, "_cache", {})
+        monkeypatch.setattr(topk_select_sm90, "_dyn", lambda tensor, leading_dim: tensor)
+        for module in (proxy_score_decode_sm90, proxy_score_prefill_sm90):
+            monkeypatch.setattr(module, "_CACHE", {})
+            monkeypatch.setattr(
+                module,
+                "from_dlpack",
+                lambda *a, **k: SimpleNamespace(mark_layout_dynamic=lambda **kw: None),
+            )
+        monkeypatch.setattr(proxy_score_decode_sm90, "_nsplit", lambda b, n, d: 1)
+        monkeypatch.setattr(proxy_score_prefill_sm90, "MsaProxyScore", lambda **kw: None)
+
+    def topk(self, num_heads: int, tiles: int, total_q: int) -> None:
+        scores = torch.empty((num_heads, tiles, total_q), dtype=torch.float32, device=META)
+        output = torch.empty((total_q, num_heads, 16), dtype=torch.int32, device=META)
+        nvp = torch.empty((total_q,), dtype=torch.int32, device=META)
+        _sm90_dispatch.topk_select_sm90(
+            scores, 16, output, num_valid_pages=nvp, force_end_blocks=min(1, tiles)
+        )
+
+    def proxy(self, num_heads: int, call: warmup.ProxyScoreCall) -> None:
+        total_q, batch = sum(call.query_lens), len(call.query_lens)
+        fp8 = torch.float8_e4m3fn
+        _sm90_dispatch.proxy_score_sm90(
+            torch.empty((total_q, num_heads, HEAD_DIM), dtype=fp8, device=META),
+            torch.empty((call.num_pages, 1, 128, HEAD_DIM), dtype=fp8, device=META),
+            torch.empty((batch + 1,), dtype=torch.int32, device=META),
+            torch.empty((batch, call.max_k_tiles), dtype=torch.int32, device=META),
+            torch.empty((batch,), dtype=torch.int32, device=META),
+            torch.empty((num_heads, call.max_k_tiles, total_q), device=META),
+            max_seqlen_q=max(call.query_lens),
+            batch_size=batch,
+            kv_fp8=True,
+        )
+
+    def warmup_calls(self, geometry: warmup.IndexerFlashInferGeometry) -> set[str]:
+        """What the warm-up's own calls build."""
+        for program in warmup.indexer_flashinfer_programs(geometry):
+            if isinstance(program.call, warmup.ProxyScoreCall):
+                self.proxy(geometry.num_index_heads, program.call)
+            else:
+                self.topk(geometry.num_index_heads, program.call.max_k_tiles, program.call.total_q)
+        return self.programs
+
+
+def _geometry(heads: int, max_model_len: int, max_tokens: int, mtp: int = 0):
+    return warmup.IndexerFlashInferGeometry(
+        arch="sm90",
+        num_index_heads=heads,
+        kv_fp8=True,
+        max_query_len=1 + mtp,
+        max_num_batched_tokens=max_tokens,
+        max_model_len=max_model_len,
+        num_sms=H200_SMS,
+    )
+
+
+# TP 1 / 2 / 8 of MiniMax M3's 4 KV (= index) heads: 4, 2 and 1 per rank.
+TOPK_GEOMETRIES = {
+    "tp1-4k-256": _geometry(4, 4096, 256),
+    "tp2-12k-96": _geometry(2, 12288, 96, mtp=2),
+    "tp8-3k-512": _geometry(1, 3072, 512, mtp=4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TOPK_GEOMETRIES)
+def test_topk_programs_match_every_shape(name, monkeypatch):
+    geometry = TOPK_GEOMETRIES[name]
+    reference = _Recorder(monkeypatch)
+    for tiles in range(1, geometry.max_k_tiles + 1):
+        for total_q in range(1, geometry.max_num_batched_tokens + 1):
+            reference.topk(geometry.num_index_heads, tiles, total_q)
+    warm = _Recorder(monkeypatch)
+    for program in warmup.topk_programs(geometry):
+        warm.topk(geometry.num_index_heads, program.call.max_k_tiles, program.call.total_q)
+    names = {program.name for program in warmup.topk_programs(geometry)}
+    print(f"\n{name}: {len(reference.programs)} top-k programs")
+    assert warm.programs == reference.programs
+    # The names the warm-up logs are the programs its calls build.
+    assert names == reference.programs
+
+
+def _proxy_shapes(max_model_len: int, max_tokens: int):
+    """Batches of 1 to 3 requests over query lengths and widths an engine can
+    produce, with an index cache small and large against the batch's pages."""
+    max_tiles = -(-max_model_len // 128)
+    query_lens = [1, 2, 3, 4, 5, 8, 127, 128, 129, 300, 1024]
+    tiles_set = sorted({1, 2, 3, 16, 17, 18, 64, max_tiles})
+    for batch in (1, 2, 3):
+        for lens in itertools.product(query_lens, repeat=batch):
+            if sum(lens) > max_tokens:
+                continue
+            for tiles in tiles_set:
+                if tiles > max_tiles or tiles * 128 < max(lens):
+                    continue
+                for num_pages in (1, batch * tiles):
+                    yield warmup.ProxyScoreCall(tuple(lens), tiles, num_pages)
+
+
+@pytest.mark.parametrize(
+    "heads,max_model_len,max_tokens", [(4, 32768, 8192), (1, 131072, 16384), (2, 2048, 2048)]
+)
+def test_proxy_programs_match_every_regime(heads, max_model_len, max_tokens, monkeypatch):
+    geometry = _geometry(heads, max_model_len, max_tokens)
+    reference = _Recorder(monkeypatch)
+    for call in _proxy_shapes(max_model_len, max_tokens):
+        reference.proxy(heads, call)
+    warm = _Recorder(monkeypatch)
+    for program in warmup.proxy_score_calls(geometry):
+        warm.proxy(heads, program.call)
+    assert warm.programs == reference.programs
+    # One call per program: the count the engine logs is the count built.
+    assert len(warmup.proxy_score_calls(geometry)) == len(reference.programs)
+
+
+def test_geometry_follows_the_engine_config():
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=3),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=6144),
+        model_config=SimpleNamespace(max_model_len=40000),
+    )
+    geometry = warmup.geometry_from_config(
+        config, num_index_heads=2, kv_fp8=True, arch="sm90", num_sms=H200_SMS
+    )
+    assert geometry.max_query_len == 4
+    assert geometry.max_num_batched_tokens == 6144
+    assert geometry.max_k_tiles == 313  # ceil(40000 / 128)
+    config.speculative_config = None
+    assert (
+        warmup.geometry_from_config(
+            config, num_index_heads=2, kv_fp8=True, arch="sm90", num_sms=H200_SMS
+        ).max_query_len
+        == 1
+    )
+
+
+def test_program_list_is_kept_beside_the_jit_cache(tmp_path, monkeypatch):
+    from flashinfer.jit import env as jit_env
+
+    monkeypatch.setattr(jit_env, "FLASHINFER_WORKSPACE_DIR", tmp_path)
+    geometry = _geometry(2, 4096, 300)
+    first = warmup.cached_indexer_flashinfer_programs(geometry)
+    assert first == warmup.indexer_flashinfer_programs(geometry)
+
+    def no_sweep(geometry):
+        raise AssertionError("swept again although the list was kept")
+
+    monkeypatch.setattr(warmup, "indexer_flashinfer_programs", no_sweep)
+    assert warmup.cached_indexer_flashinfer_programs(geometry) == first
+    # Another geometry is not served from that list.
+    with pytest.raises(AssertionError, match="swept again"):
+        warmup.cached_indexer_flashinfer_programs(_geometry(2, 4096, 301))
+
+
+def test_vllm_warmup_registry_builds_each_geometry_once(monkeypatch):
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    built = []
+    monkeypatch.setattr(
+        warmup,
+        "build_indexer_flashinfer_programs",
+        lambda geometry: (built.append(geometry) or [], 0, 0.0),
+    )
+    monkeypatch.setattr(warmup._JIT, "_compiled_cache", {})
+    registry = JitWarmupRegistry(vllm_config=None)
+    geometry = _geometry(1, 8192, 1024)
+    with registry.activate():
+        for _layer in range(3):  # every sparse layer registers the same geometry
+            warmup._JIT.register_warmup(**vars(geometry))
+        # Not the FlashInfer indexer: nothing to warm.
+        warmup.register_indexer_flashinfer_warmup(object(), vllm_config=None)
+    assert len(registry) == 1
+    registry.warmup()
+    assert built == [geometry]

@@ -1,0 +1,154 @@
+"""One engine start on an empty FlashInfer cache, then a workload of varied shapes.
+
+    python tests/gpu_e2e/warm_start_run.py --model DIR --cache-dir EMPTY [--eager] --out run.json
+
+Run in a fresh process with ``FLASHINFER_WORKSPACE_BASE`` set to an empty
+directory before anything imports FlashInfer, and ``FLASHINFER_JIT_BUILD_LOG``
+set, so FlashInfer appends one JSON line (with its epoch time) for every
+program it builds or compiles, nvcc and CuTe DSL alike. The engine uses vLLM's
+defaults (CUDA graphs and JIT warm-up on) with ``jit_monitor_mode="error"``,
+or ``--eager``, under which vLLM turns its JIT warm-up off.
+
+The workload runs each shape three times with fresh random tokens: the first
+run is what a new geometry costs after ready, the other two its steady state.
+Shapes: prefills of 1k to max_num_batched_tokens tokens, prompts of 2k to 30k
+tokens (chunked), prompts of a few tokens, decode batches of 1 to 64 requests,
+a mixed batch (decodes beside a long prompt's chunks) and prefix-cache hits
+(a long cached prefix, then a few hundred or a single new token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+MAX_MODEL_LEN = 32768
+MAX_NUM_BATCHED_TOKENS = 8192
+MAX_NUM_SEQS = 64
+FIRST_TOKEN_ID = 3
+READY_MARKER = "WARM_START_READY"
+
+# name: [(prompt tokens, new tokens), ...] submitted together
+SHAPES: dict[str, list[tuple[int, int]]] = {
+    "prefill-1k": [(1024, 1)],
+    "prefill-4k": [(4096, 1)],
+    "prefill-8k": [(MAX_NUM_BATCHED_TOKENS, 1)],
+    "prompt-3": [(3, 1)],
+    "prompt-100": [(100, 1)],
+    "context-16k": [(16384, 1)],
+    "context-30k": [(30000, 1)],
+    "decode-1": [(600, 16)],
+    "decode-8": [(600, 16)] * 8,
+    "decode-33": [(600, 16)] * 33,
+    "decode-64": [(600, 16)] * 64,
+    "mixed-8-decodes-12k": [(600, 48)] * 8 + [(12000, 1)],
+}
+# name: (cached prefix tokens, new tokens after it)
+PREFIX_HITS: dict[str, tuple[int, int]] = {
+    "prefix-16k-plus-200": (16384, 200),
+    "prefix-16k-plus-1": (16384, 1),
+}
+REPEATS = 3
+
+
+def run(args: argparse.Namespace) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs=MAX_NUM_SEQS,
+        enable_prefix_caching=True,
+        enforce_eager=args.eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        attention_config={"indexer_kv_dtype": "fp8", "minimax_m3_indexer_backend": "flashinfer"},
+        jit_monitor_mode="error",
+    )
+    ready = time.time()
+    print(READY_MARKER, flush=True)
+    result: dict = {"engine_start_s": round(time.perf_counter() - started, 1), "ready": ready}
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    generator = torch.Generator().manual_seed(4321)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(FIRST_TOKEN_ID, vocab, (n,), generator=generator).tolist()
+
+    def timed(prompts: list[list[int]], new_tokens: list[int]) -> float:
+        params = [
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in new_tokens
+        ]
+        began = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - began
+
+    shapes: dict[str, dict] = {}
+    for name, spec in SHAPES.items():
+        seconds = []
+        for _ in range(REPEATS):
+            try:
+                seconds.append(timed([tokens(n) for n, _ in spec], [m for _, m in spec]))
+            except Exception as exc:
+                shapes[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                break
+        else:
+            shapes[name] = {"seconds": [round(s, 4) for s in seconds]}
+    for name, (prefix_len, extra) in PREFIX_HITS.items():
+        seconds = []
+        for _ in range(REPEATS):
+            try:
+                prefix = tokens(prefix_len)
+                timed([prefix], [1])  # caches the prefix (a context-16k shape)
+                seconds.append(timed([prefix + tokens(extra)], [1]))
+            except Exception as exc:
+                shapes[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                break
+        else:
+            shapes[name] = {"seconds": [round(s, 4) for s in seconds]}
+    result["shapes"] = shapes
+    return result
+
+
+def read_build_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--cache-dir", type=Path, required=True)
+    parser.add_argument("--eager", action="store_true", help="enforce_eager (JIT warm-up off)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    build_log = Path(os.environ["FLASHINFER_JIT_BUILD_LOG"])
+    assert os.environ.get("FLASHINFER_WORKSPACE_BASE") == str(args.cache_dir), (
+        "set FLASHINFER_WORKSPACE_BASE to --cache-dir before the process starts"
+    )
+    try:
+        result = run(args)
+    except Exception as exc:
+        traceback.print_exc()
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    result["builds"] = read_build_log(build_log)
+    result["config"] = {"eager": args.eager, "model": args.model, "cache_dir": str(args.cache_dir)}
+    args.out.write_text(json.dumps(result))
+    print(f"warm_start_run: wrote {args.out}", flush=True)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
