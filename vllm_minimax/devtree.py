@@ -50,7 +50,7 @@ FORMAT_PATCH_OPTIONS = [
     "--no-renames",
     "--no-cover-letter",
     "--no-thread",
-    "--filename-max-length=64",
+    "--filename-max-length=100",
 ]
 
 
