@@ -12,9 +12,11 @@ from vllm_minimax.testing import reference
 from vllm_minimax.testing.indexer_cases import (
     IndexerCase,
     expected_topk_values,
+    forced_counts,
     make_batch,
     patched_run,
     reference_scores,
+    untied_exact_check,
     value_check,
     vector_invariants,
 )
@@ -91,6 +93,10 @@ def test_patched_forward_matches_reference(heads, init_blocks, monkeypatch):
     vc = value_check(got, expected_topk_values(scores, nvp, fb=fb, fe=fe), scores, want_sel=want)
     assert vc.all_values_match, vc.first_mismatch
     assert vc.exact_rate == 1.0
+    # The exact-set check on untied rows, with the forced regions from the case.
+    assert forced_counts(case) == (init_blocks, 1)
+    untied = untied_exact_check(got, scores, nvp, fb=fb, fe=fe, rtol=0.0)
+    assert untied.rows == vc.rows and untied.exact_rate == 1.0, untied.first_mismatch
     # A wrong pick is caught by both: on a decode row with 32 pages, swap the
     # lowest-scoring free pick for a left-out block that scores lower.
     token = 2
@@ -100,6 +106,8 @@ def test_patched_forward_matches_reference(heads, init_blocks, monkeypatch):
     assert not value_check(
         bad, expected_topk_values(scores, nvp, fb=fb, fe=fe), scores
     ).all_values_match
+    caught = untied_exact_check(bad, scores, nvp, fb=fb, fe=fe)
+    assert caught.exact_rows == caught.rows - 1 and caught.first_mismatch.startswith("token 2")
 
 
 def plant_wrong_pick(
