@@ -225,7 +225,7 @@ def run_case(case, module, ops, copy_gbps, check=True):
     if check:
         scores = reference_scores(batch)
         nvp = batch.num_valid_pages
-        fb, fe = forced_counts(case, run.metadata.max_k_tiles)
+        fb, fe = forced_counts(case)
         want = expected_topk_values(scores, nvp, fb=fb, fe=fe)
         fv = value_check(fi_sel, want, scores)
         tv = value_check(tri_sel, want, scores)

@@ -12,9 +12,11 @@ from vllm_minimax.testing import reference
 from vllm_minimax.testing.indexer_cases import (
     IndexerCase,
     expected_topk_values,
+    forced_counts,
     make_batch,
     patched_run,
     reference_scores,
+    untied_exact_check,
     value_check,
     vector_invariants,
 )
@@ -91,13 +93,41 @@ def test_patched_forward_matches_reference(heads, init_blocks, monkeypatch):
     vc = value_check(got, expected_topk_values(scores, nvp, fb=fb, fe=fe), scores, want_sel=want)
     assert vc.all_values_match, vc.first_mismatch
     assert vc.exact_rate == 1.0
-    # A wrong pick is caught by both.
-    bad = got.clone()
-    bad[3, 0, 1] = bad[3, 0, 1] + 1 if bad[3, 0, 2] != bad[3, 0, 1] + 1 else bad[3, 0, 1]
-    if not torch.equal(bad, got):
-        assert not value_check(
-            bad, expected_topk_values(scores, nvp, fb=fb, fe=fe), scores
-        ).all_values_match
+    # The exact-set check on untied rows, with the forced regions from the case.
+    assert forced_counts(case) == (init_blocks, 1)
+    untied = untied_exact_check(got, scores, nvp, fb=fb, fe=fe, rtol=0.0)
+    assert untied.rows == vc.rows and untied.exact_rate == 1.0, untied.first_mismatch
+    # A wrong pick is caught by both: on a decode row with 32 pages, swap the
+    # lowest-scoring free pick for a left-out block that scores lower.
+    token = 2
+    assert int(nvp[token]) == 32
+    bad = plant_wrong_pick(got, scores, token, fb=fb, fe=fe, extent=int(nvp[token]))
+    assert not reference.compare_selections(bad, want, scores).all_values_match
+    assert not value_check(
+        bad, expected_topk_values(scores, nvp, fb=fb, fe=fe), scores
+    ).all_values_match
+    caught = untied_exact_check(bad, scores, nvp, fb=fb, fe=fe)
+    assert caught.exact_rows == caught.rows - 1 and caught.first_mismatch.startswith("token 2")
+
+
+def plant_wrong_pick(
+    selection: torch.Tensor, scores: torch.Tensor, token: int, *, fb: int, fe: int, extent: int
+) -> torch.Tensor:
+    """`selection` with head 0 of `token` picking a left-out block with a
+    strictly lower score instead of its lowest-scoring non-forced pick."""
+    bad = selection.clone()
+    row = bad[token, 0]
+    picked = set(row[row >= 0].tolist())
+    forced = {*range(min(fb, extent)), *range(extent - fe, extent)}
+    row_scores = scores[0, :, token]
+    free = sorted(picked - forced, key=lambda b: float(row_scores[b]))
+    left_out = [b for b in range(extent) if b not in picked]
+    assert free and left_out, "the row must have more pages than picks"
+    worst_pick = free[0]
+    worse = [b for b in left_out if float(row_scores[b]) < float(row_scores[worst_pick]) - 1e-2]
+    assert worse, "no left-out block scores lower than the picks"
+    bad[token, 0] = torch.tensor(sorted(picked - {worst_pick} | {worse[0]}), dtype=row.dtype)
+    return bad
 
 
 def test_vector_invariants_catch_poison_and_order():

@@ -13,6 +13,7 @@ from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMa
 from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLIndexer
 
 from vllm_minimax.testing import reference
+from vllm_minimax.testing.hf_indexer import STEP_CASES, StepCase
 
 BLOCK = 128
 
@@ -101,3 +102,43 @@ def test_reference_rejects_a_wrong_selection():
         poisoned, pages, topk=16, force_begin_blocks=0, force_end_blocks=0
     )
     assert problems and "unwritten" in problems[0]
+
+
+@pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: c.name)
+def test_reference_selects_what_transformers_selects_on_a_step(case: StepCase):
+    """Decode, MTP and chunked-prefill queries after existing context, several
+    requests a step, 1/2/4 heads, forced leading blocks, page-boundary contexts:
+    transformers runs each request densely; the reference scores the step's
+    paged cache, all requests at once."""
+    q, keys = case.inputs(seed=len(case.name))
+    theirs = case.expected(q, keys)
+    generator = torch.Generator().manual_seed(7)
+    pages = [paged(k.float(), generator) for k in keys]
+    pool = torch.cat([pool for pool, _ in pages])
+    offsets = torch.tensor([0, *[pool.shape[0] for pool, _ in pages]]).cumsum(0)
+    width = max(table.shape[1] for _, table in pages)
+    page_table = torch.zeros(len(pages), width, dtype=torch.int32)
+    for row, ((_, table), offset) in enumerate(zip(pages, offsets.tolist(), strict=False)):
+        page_table[row, : table.shape[1]] = table[0] + offset
+    cu_seqlens_q = torch.tensor([0, *case.query_lens]).cumsum(0)
+    scores = reference.proxy_score(
+        q.float(),
+        pool,
+        cu_seqlens_q,
+        page_table=page_table,
+        seqused_k=torch.tensor(case.seq_lens),
+        max_k_tiles=-(-max(case.seq_lens) // BLOCK),
+    )
+    valid_pages = torch.tensor([p // BLOCK + 1 for p in case.positions], dtype=torch.int32)
+    ours = reference.topk_select(
+        scores,
+        16,
+        valid_pages,
+        force_begin_blocks=case.init_blocks,
+        force_end_blocks=case.local_blocks,
+    )
+    comparison = reference.compare_selections(ours, theirs, scores)
+    assert comparison.all_values_match, comparison.first_mismatch
+    assert comparison.exact_rate > 0.99, comparison
+    # Blocks really were dropped somewhere in the step.
+    assert (valid_pages > 16).any()

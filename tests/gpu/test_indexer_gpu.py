@@ -9,7 +9,12 @@ token: invariants and the selected blocks' reference scores (vectorized). The
 per-token loops of `vllm_minimax.reference` (`topk_select`,
 `compare_selections`, `check_selection_invariants`) run on a subsample of at
 most 192 tokens per case (all tokens where the case has fewer), which is where
-the exact-set rate comes from. Reference scores are float32 torch on the GPU.
+the reported exact-set rate comes from. On every token whose selection no tie
+can make ambiguous (`untied_exact_check`: the last free pick more than 1e-3
+relative above the best block left out; the report also counts 1e-5), the
+selected set must be exactly the reference's; the forced regions come from the
+case (`forced_counts`), not from the metadata under test. Reference scores are
+float32 torch on the GPU.
 
 Set VLLM_MINIMAX_GPU_REPORT=path to append one TSV line per case.
 """
@@ -33,6 +38,7 @@ from vllm_minimax.testing.indexer_cases import (
     reference_scores,
     reference_subsample,
     selection_values,
+    untied_exact_check,
     value_check,
     vector_invariants,
 )
@@ -80,10 +86,15 @@ def _check_against_reference(got, batch, scores, fb, fe, label):
         got[sub_dev], nvp[sub_dev], topk=TOPK, force_begin_blocks=fb, force_end_blocks=fe
     )[:5]
     vc = value_check(got, expected_topk_values(scores, nvp, fb=fb, fe=fe), scores)
+    untied = untied_exact_check(got, scores, nvp, fb=fb, fe=fe)
     assert not problems, f"{label}: " + "\n".join(problems[:10])
     assert cmp.all_values_match, f"{label} vs reference (subsample): {cmp.first_mismatch}"
     assert vc.all_values_match, f"{label} vs reference (all tokens): {vc.first_mismatch}"
-    return cmp, vc, len(sub)
+    # Where no tie can explain a miss, the set is exact, on every such row.
+    assert untied.rows >= vc.rows // 2, f"{label}: only {untied.rows} of {vc.rows} rows untied"
+    assert untied.exact_rate == 1.0, f"{label} untied rows: {untied.first_mismatch}"
+    fine = untied_exact_check(got, scores, nvp, fb=fb, fe=fe, rtol=1e-5)
+    return cmp, vc, (untied, fine), len(sub)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -94,8 +105,8 @@ def test_flashinfer_patched_forward_matches_reference(case, fi_module):
     torch.cuda.synchronize()
     assert (batch.topk_buffer[batch.total_q :] == -7).all(), "wrote past num_tokens"
     scores = reference_scores(batch)
-    fb, fe = forced_counts(case, run.metadata.max_k_tiles)
-    cmp, vc, n_sub = _check_against_reference(got, batch, scores, fb, fe, "flashinfer")
+    fb, fe = forced_counts(case)
+    cmp, vc, untied, n_sub = _check_against_reference(got, batch, scores, fb, fe, "flashinfer")
     _report(
         "flashinfer",
         case.name,
@@ -104,6 +115,8 @@ def test_flashinfer_patched_forward_matches_reference(case, fi_module):
         f"value_rows={vc.value_rows}/{vc.rows}",
         f"ref_subsample={n_sub}",
         f"exact_rate={cmp.exact_rate:.4f}",
+        f"untied_1e-3_exact={untied[0].exact_rows}/{untied[0].rows}",
+        f"untied_1e-5_exact={untied[1].exact_rows}/{untied[1].rows}",
     )
 
 
@@ -129,8 +142,8 @@ def test_triton_agrees_with_flashinfer(case, fi_module, triton_ops):
     tri = normalize_selection(batch.topk_buffer[: batch.total_q])
     torch.cuda.synchronize()
     scores = reference_scores(batch)
-    fb, fe = forced_counts(case, run.metadata.max_k_tiles)
-    _, tvc, _ = _check_against_reference(tri, batch, scores, fb, fe, "triton")
+    fb, fe = forced_counts(case)
+    _, tvc, _, _ = _check_against_reference(tri, batch, scores, fb, fe, "triton")
     agree = value_check(fi, selection_values(tri, scores), scores, want_sel=tri)
     _report(
         "fi_vs_triton",

@@ -5,9 +5,12 @@
 
 The engine configurations in `ENGINE_RUNS` run once per session, one after the
 other, each in its own process (`engine_run.py`); the tests read their JSON
-results and logs. (Engines started side by side on one GPU fail their memory
-profiling: each counts the others' allocations against its own budget.) A run
-whose JSON is already in the directory is not repeated. Set
+results and logs, and refuse a run that another revision of the series
+produced (`vllm_minimax.testing.series_record`). (Engines started side by side
+on one GPU fail their memory profiling: each counts the others' allocations
+against its own budget.) A run whose JSON is already in the directory is not
+repeated when its recorded series is this checkout's; one of another series is
+refused (delete it to re-run). Set
 `VLLM_MINIMAX_E2E_DIR` to keep them (default: a pytest temporary directory),
 `VLLM_MINIMAX_TINY_MODEL` to reuse a checkpoint from `vllm-minimax
 make-tiny-model --initializer-range 0.1 --mtp-modules 1` (without its `mtp/`
@@ -15,8 +18,9 @@ draft the `mtp-*` runs record an error and test_mtp.py fails).
 
 Set `VLLM_MINIMAX_E2E_SAVED=DIR` to re-check saved runs on any machine, GPU or
 not: the tests read `DIR/<run>.json` and `.log` and start no engine; a run not
-in DIR fails the tests that need it. `test_serve.py` needs a live GPU and is
-skipped in that mode.
+in DIR, or one of another series, fails the tests that need it (runs saved
+before runs recorded their series fail as "unknown series"). `test_serve.py`
+needs a live GPU and is skipped in that mode.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_minimax.testing.series_record import series_mismatch
 from vllm_minimax.tiny_model import MTP_SUBDIRECTORY
 
 HERE = Path(__file__).parent
@@ -133,7 +138,16 @@ def _run_engine(name: str, run: EngineRun, model: Path, out_dir: Path) -> Engine
     text = log.read_text(errors="replace") if log.exists() else ""
     if not out.exists():
         return EngineResult(name, {"error": f"no result; log tail:\n{text[-3000:]}"}, text)
-    return EngineResult(name, json.loads(out.read_text()), text)
+    hint = "delete it to run this configuration again"
+    return _checked_series(EngineResult(name, json.loads(out.read_text()), text), out, hint)
+
+
+def _checked_series(result: EngineResult, out: Path, hint: str) -> EngineResult:
+    """`result`, or an error result where its run is not of this checkout's series."""
+    mismatch = series_mismatch(result.data)
+    if mismatch is None:
+        return result
+    return EngineResult(result.name, {"error": f"{out} refused: {mismatch}; {hint}"}, result.log)
 
 
 def _saved_run(name: str, directory: Path) -> EngineResult:
@@ -141,7 +155,8 @@ def _saved_run(name: str, directory: Path) -> EngineResult:
     if not out.exists():
         return EngineResult(name, {"error": f"{out} is not among the saved runs"}, "")
     text = log.read_text(errors="replace") if log.exists() else ""
-    return EngineResult(name, json.loads(out.read_text()), text)
+    hint = "re-check runs saved by this series"
+    return _checked_series(EngineResult(name, json.loads(out.read_text()), text), out, hint)
 
 
 @pytest.fixture(scope="session")

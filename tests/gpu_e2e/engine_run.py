@@ -21,7 +21,10 @@ tokens per decoding request; the draft gets the layer prefix of
 spec-decode counters (``spec_decode``), the speculative config and each
 MiniMax M3 sparse layer's indexer impl class (``sparse_layers``).
 
-A configuration the engine refuses at start is recorded as ``error``.
+A configuration the engine refuses at start is recorded as ``error``. Every run
+records the series applied to the vLLM it imported (``series``,
+`vllm_minimax.testing.series_record`), so the tests can refuse a run of another
+revision.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import time
 import traceback
 from pathlib import Path
 
+from vllm_minimax.testing import series_record
 from vllm_minimax.tiny_model import MTP_SUBDIRECTORY
 
 WORKLOADS = {
@@ -222,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"error": f"{type(exc).__name__}: {exc}"}
     result["config"] = config
     result["device_capability"] = device_capability()
+    result[series_record.RUN_KEY] = series_record.applied_series()
     args.out.write_text(json.dumps(result))
     print(f"engine_run: wrote {args.out}", flush=True)
     # The in-process engine core's teardown can hang at interpreter exit; the

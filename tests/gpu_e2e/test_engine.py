@@ -26,10 +26,19 @@ top-k by value, so the FlashInfer choice is never worse than Triton's; Triton's
 own choices were checked against the same reference by the kernel tests
 (tests/gpu). Two top-ks that are both exact by value differ only in tied blocks.
 
-Greedy tokens: equal, except that the runs may part at a step where the Triton
-run's top two candidates lie closer than the largest prompt-logprob difference
-the pair already shows (the size of the perturbation both runs carry); the
-comparison stops there.
+Greedy tokens and sampled-token logprobs, with fixed bounds set by two
+controls measured on the H200 (2026-12-03 runs), not by the pair under test:
+
+- the same indexer under other batching (`mtp-triton-eager` against
+  `triton-eager`, test_mtp.py re-checks it every run): where the tokens still
+  agree, the sampled token's logprobs differ by up to 0.596 nats, 0.0143 on
+  average. So two runs may part only at a step where the Triton run's top two
+  lay within `GREEDY_PART_TOL`, and their sampled-token logprobs must stay
+  within `GREEDY_PART_TOL` too;
+- the control pair above (a bf16 index cache against fp8) averages 0.0198
+  nats, while FlashInfer against Triton averages 0.0140 (eager and graphs)
+  and 0.0143 (with MTP). `DECODE_MEAN_TOL` lies between: the control fails it
+  (`test_control_pair_fails_the_decode_bound`), by a small margin.
 """
 
 from __future__ import annotations
@@ -49,6 +58,9 @@ WORKLOADS = ("long", "mixed")
 FIRST_DROPPING_POSITION = 16 * 128
 MIN_EXACT_PAST_DROP = 64
 MEAN_TOL = 0.01
+# nats; see the module docstring for the controls they come from.
+GREEDY_PART_TOL = 0.75
+DECODE_MEAN_TOL = 0.017
 
 
 def _ok(results, name):
@@ -206,26 +218,72 @@ def assert_greedy_tokens_agree(
     mode: str,
     flashinfer_name: str,
     triton_name: str,
-    perturbation: float | None = None,
+    tolerance: float = GREEDY_PART_TOL,
 ):
-    """Greedy completions equal, or parted only where the `triton_name` run's top two lay
-    within `perturbation` (default: the pair's largest prompt-logprob difference)."""
-    key = "perturbation"
-    if perturbation is None:
-        key = "prompt_max_delta"
-        perturbation = prompt_comparison(engine_results, flashinfer_name, triton_name)["max"]
+    """Greedy completions equal, or parted only where the `triton_name` run's top
+    two lay within `tolerance` nats (a fixed bound, not one the pair sets)."""
     report = []
     for i, (flashinfer, triton) in enumerate(
         request_pairs(engine_results, flashinfer_name, triton_name)
     ):
         cmp = token_comparison(triton, flashinfer)
         report.append({"request": i, "tokens": len(triton["token_ids"]), **cmp})
-    _summary(e2e_dir, f"greedy/{mode}", {key: perturbation, "requests": report})
+    _summary(e2e_dir, f"greedy/{mode}", {"tolerance": tolerance, "requests": report})
     for row in report:
         if row["parted_at"] is not None:
-            assert row["triton_top2_gap"] <= perturbation, row
+            assert row["triton_top2_gap"] <= tolerance, row
 
 
 @pytest.mark.parametrize("mode", sorted(PAIRS))
 def test_greedy_tokens_agree(engine_results, e2e_dir, mode):
     assert_greedy_tokens_agree(engine_results, e2e_dir, mode, *PAIRS[mode])
+
+
+def sampled_logprob_deltas(a: dict, b: dict) -> list[float]:
+    """|logprob| differences of the sampled token over the steps where two greedy
+    completions still agree (each step records its top two and the sampled token)."""
+    deltas = []
+    for step_a, step_b in zip(a["steps"], b["steps"], strict=False):
+        if step_a["token"] != step_b["token"]:
+            break
+        lp_a = dict((tok, lp) for tok, lp in step_a["top"]).get(step_a["token"])
+        lp_b = dict((tok, lp) for tok, lp in step_b["top"]).get(step_b["token"])
+        assert lp_a is not None and lp_b is not None, "sampled token missing from its logprobs"
+        deltas.append(abs(lp_a - lp_b))
+    return deltas
+
+
+def decode_comparison(results, a_name: str, b_name: str) -> dict:
+    """Sampled-token logprob deltas of every decode step the two runs share."""
+    deltas, steps = [], 0
+    for ra, rb in request_pairs(results, a_name, b_name):
+        steps += len(rb["steps"])
+        deltas += sampled_logprob_deltas(ra, rb)
+    return {
+        "steps": steps,
+        "compared": len(deltas),
+        "mean": sum(deltas) / len(deltas),
+        "max": max(deltas),
+    }
+
+
+def assert_sampled_logprobs_agree(engine_results, e2e_dir, mode: str, pair: tuple[str, str]):
+    stats = decode_comparison(engine_results, *pair)
+    _summary(e2e_dir, f"sampled_logprobs/{mode}", stats)
+    assert stats["compared"] >= stats["steps"] // 2, stats
+    assert stats["mean"] <= DECODE_MEAN_TOL, stats
+    assert stats["max"] <= GREEDY_PART_TOL, stats
+
+
+@pytest.mark.parametrize("mode", sorted(PAIRS))
+def test_sampled_logprobs_agree(engine_results, e2e_dir, mode):
+    """Decode rows have no prompt logprobs: the sampled token's logprob, step by
+    step over the 24- and 96-token decodes, against Triton within fixed bounds."""
+    assert_sampled_logprobs_agree(engine_results, e2e_dir, mode, PAIRS[mode])
+
+
+def test_control_pair_fails_the_decode_bound(engine_results, e2e_dir):
+    """The decode bound can fail: the fp8-vs-bf16 index control exceeds it."""
+    stats = decode_comparison(engine_results, *CONTROL)
+    _summary(e2e_dir, "sampled_logprobs/control-fp8-vs-bf16-index", stats)
+    assert stats["mean"] > DECODE_MEAN_TOL, stats

@@ -1,15 +1,19 @@
 """Check every selection the FlashInfer indexer makes inside a running engine.
 
-`install()` wraps `MiniMaxM3IndexerFlashInferImpl.forward` of the patched vLLM:
-after each real forward (kernels, metadata and index cache exactly as the engine
-produced them), each proxy-score + top-k call of the step is recomputed with the
-float32 reference (`vllm_minimax.reference.proxy_score` over the same index
-query, the same paged index-K cache and the call's page table) and the shared
-top-k buffer is checked against it on every row: the selection invariants, and
-the selected blocks' reference scores equal to the reference top-k scores (a
-multiset, so two selections that pass differ only by tied scores). Each call's
-`num_valid_pages` is also checked against the causal extent recomputed from its
-`cu_seqlens_q` and `seqused_k` (right-aligned queries, as vLLM places them).
+`install()` wraps the patched vLLM's `MiniMaxM3IndexerFlashInferMetadataBuilder.build`
+(to keep what the engine handed it: the step's `CommonAttentionMetadata` and the
+model config) and `MiniMaxM3IndexerFlashInferImpl.forward`. After each real
+forward (kernels, metadata and index cache exactly as the engine produced them),
+each proxy-score + top-k call of the step is recomputed with the float32
+reference from the engine's own inputs, not the builder's: the requests the
+call's token range covers in the engine's `query_start_loc`, their rows of the
+engine's block table and their `seq_lens`, each token's page count from the
+engine's `positions`, and the forced regions from the impl's `init_blocks` and
+the model config's `index_local_blocks`. The shared top-k buffer is checked
+against it on every row: the selection invariants, and the selected blocks'
+reference scores equal to the reference top-k scores (a multiset, so two
+selections that pass differ only by tied scores). A builder that mis-slices the
+page table, shifts the page counts or takes another window fails the audit.
 
 Kinds are `decode`, `prefill`, or `mixed-` either in a step with both; an MTP
 draft's layers (`mtp_draft`) count as `draft-` kinds. Decode calls also count
@@ -75,15 +79,46 @@ class Audit:
 AUDIT = Audit()
 
 
-def expected_num_valid_pages(cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor) -> torch.Tensor:
-    """Per token: (its position // 128) + 1, positions right-aligned on seqused_k."""
-    parts = []
-    cu = cu_seqlens_q.tolist()
-    for req, kv_len in enumerate(seqused_k.tolist()):
-        q_len = cu[req + 1] - cu[req]
-        positions = torch.arange(kv_len - q_len, kv_len)
-        parts.append(positions // PAGE + 1)
-    return torch.cat(parts).to(torch.int32) if parts else torch.zeros(0, dtype=torch.int32)
+@dataclass(frozen=True)
+class EngineStep:
+    """What the engine handed the builder for one step (CPU copies)."""
+
+    query_start_loc: list[int]
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    positions: torch.Tensor
+    local_blocks: int
+
+    @classmethod
+    def of(cls, common, vllm_config) -> EngineStep:
+        hf_config = vllm_config.model_config.hf_config
+        text_config = getattr(hf_config, "text_config", hf_config)
+        n = common.num_reqs
+        return cls(
+            query_start_loc=common.query_start_loc_cpu[: n + 1].tolist(),
+            seq_lens=common.seq_lens[:n].cpu().clone(),
+            block_table=common.block_table_tensor[:n].clone(),
+            positions=common.positions[: common.num_actual_tokens].cpu().clone(),
+            local_blocks=int(getattr(text_config, "index_local_blocks", 0)),
+        )
+
+    def requests_of(self, token_start: int, token_end: int) -> tuple[int, int] | None:
+        """The requests whose query tokens are exactly [token_start, token_end)."""
+        qsl = self.query_start_loc
+        if token_start not in qsl or token_end not in qsl:
+            return None
+        return qsl.index(token_start), qsl.index(token_end)
+
+
+# Each step's engine inputs by the id of the metadata built from them (the last few).
+_ENGINE_STEPS: dict[int, EngineStep] = {}
+_KEPT_STEPS = 8
+
+
+def _record_step(metadata, step: EngineStep) -> None:
+    _ENGINE_STEPS[id(metadata)] = step
+    while len(_ENGINE_STEPS) > _KEPT_STEPS:
+        del _ENGINE_STEPS[next(iter(_ENGINE_STEPS))]
 
 
 def _audit_step(impl, index_query: torch.Tensor) -> None:
@@ -93,13 +128,18 @@ def _audit_step(impl, index_query: torch.Tensor) -> None:
     if not isinstance(attn_metadata, dict):
         return
     md = attn_metadata[impl.index_cache.prefix]
-    num_tokens = md.num_actual_tokens
+    step = _ENGINE_STEPS.get(id(md))
+    AUDIT.steps += 1
+    if step is None:
+        AUDIT.counts("coverage").problems.append("metadata not built by the audited builder")
+        return
+    num_tokens = step.query_start_loc[-1]
     q_all = index_query[:num_tokens].view(-1, impl.num_index_heads, impl.index_head_dim)
     kv = impl.index_cache.kv_cache
     k_pages = kv.view(kv.shape[0], 1, PAGE, impl.index_head_dim)
-    force_begin = min(impl.init_blocks, md.max_k_tiles, impl.topk_blocks)
-    force_end = min(impl.local_blocks, impl.topk_blocks - force_begin)
-    AUDIT.steps += 1
+    # The contract's forced regions (reference functions clamp them per token).
+    force_begin = min(impl.init_blocks, impl.topk_blocks)
+    force_end = min(step.local_blocks, impl.topk_blocks - force_begin)
     kinds = {call.is_prefill for call in md.calls}
     mixed = len(kinds) == 2
     AUDIT.mixed_steps += int(mixed)
@@ -110,29 +150,33 @@ def _audit_step(impl, index_query: torch.Tensor) -> None:
         kind = layer + ("mixed-" if mixed else "") + side
         counts = AUDIT.counts(kind)
         counts.calls += 1
-        if not call.is_prefill:
-            rows = call.token_end - call.token_start
-            lens = counts.decode_query_lens
-            lens[call.max_seqlen_q] = lens.get(call.max_seqlen_q, 0) + rows
         if call.token_start != covered:
             counts.problems.append(f"calls leave a gap at token {covered}")
         covered = call.token_end
-        nvp = call.num_valid_pages
-        want_nvp = expected_num_valid_pages(call.cu_seqlens_q, call.seqused_k)
-        if not torch.equal(nvp.cpu(), want_nvp):
+        requests = step.requests_of(call.token_start, call.token_end)
+        if requests is None:
             counts.problems.append(
-                f"num_valid_pages {nvp.tolist()[:8]}... != causal extent {want_nvp.tolist()[:8]}..."
+                f"call tokens [{call.token_start}, {call.token_end}) split a request"
             )
             continue
-        q = q_all[call.token_start : call.token_end]
+        first, last = requests
+        cu = torch.tensor(step.query_start_loc[first : last + 1]) - call.token_start
+        if not call.is_prefill:
+            rows = call.token_end - call.token_start
+            q_len = int((cu[1:] - cu[:-1]).max())
+            counts.decode_query_lens[q_len] = counts.decode_query_lens.get(q_len, 0) + rows
+        seq_lens = step.seq_lens[first:last]
+        device = q_all.device
+        nvp = (step.positions[call.token_start : call.token_end] // PAGE + 1).to(torch.int32)
         scores = reference.proxy_score(
-            q,
+            q_all[call.token_start : call.token_end],
             k_pages,
-            call.cu_seqlens_q,
-            page_table=call.page_table,
-            seqused_k=call.seqused_k,
-            max_k_tiles=md.max_k_tiles,
+            cu.to(device),
+            page_table=step.block_table[first:last],
+            seqused_k=seq_lens.to(device),
+            max_k_tiles=-(-int(seq_lens.max()) // PAGE),
         )
+        nvp = nvp.to(device)
         got = impl.topk_indices_buffer[call.token_start : call.token_end]
         counts.problems += vector_invariants(got, nvp, fb=force_begin, fe=force_end)
         want = expected_topk_values(scores, nvp, fb=force_begin, fe=force_end)
@@ -149,18 +193,33 @@ def _capturing(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def install() -> Callable:
-    """Wrap the patched impl's forward (class-wide, before or after the engine
-    starts); returns the original."""
-    from vllm.models.minimax_m3.nvidia.indexer_flashinfer import MiniMaxM3IndexerFlashInferImpl
+def install() -> Callable[[], None]:
+    """Wrap the patched builder's build and impl's forward (class-wide, before or
+    after the engine starts); returns a function that restores both."""
+    from vllm.models.minimax_m3.nvidia.indexer_flashinfer import (
+        MiniMaxM3IndexerFlashInferImpl,
+        MiniMaxM3IndexerFlashInferMetadataBuilder,
+    )
 
-    original = MiniMaxM3IndexerFlashInferImpl.forward
+    original_forward = MiniMaxM3IndexerFlashInferImpl.forward
+    original_build = MiniMaxM3IndexerFlashInferMetadataBuilder.build
+
+    def audited_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        metadata = original_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+        if AUDIT.enabled and not _capturing(common_attn_metadata.seq_lens):
+            _record_step(metadata, EngineStep.of(common_attn_metadata, self.vllm_config))
+        return metadata
 
     def audited_forward(self, index_query):
-        result = original(self, index_query)
+        result = original_forward(self, index_query)
         if AUDIT.enabled and not _capturing(index_query):
             _audit_step(self, index_query)
         return result
 
+    def restore() -> None:
+        MiniMaxM3IndexerFlashInferImpl.forward = original_forward
+        MiniMaxM3IndexerFlashInferMetadataBuilder.build = original_build
+
     MiniMaxM3IndexerFlashInferImpl.forward = audited_forward
-    return original
+    MiniMaxM3IndexerFlashInferMetadataBuilder.build = audited_build
+    return restore

@@ -1,9 +1,11 @@
-"""The GPU end-to-end tests' in-engine audit (`tests/gpu_e2e/selection_audit.py`)
+"""The GPU end-to-end tests' in-engine audit (`vllm_minimax.testing.selection_audit`)
 passes a correct selection and catches a wrong one, on the CPU.
 
 The impl runs with FlashInfer's kernels replaced by the float32 reference (as in
 test_flashinfer_indexer); the faulty variants change one block of one row, or
-one token's page count in the metadata.
+break what the builder made of the engine's inputs (a token's page count, a
+request's page-table row, the local window): the audit recomputes from the
+engine's `CommonAttentionMetadata` and model config, so each of these fails it.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ single_rank = indexer_tests.single_rank
 def audit(monkeypatch, kernels):
     fresh = selection_audit.Audit(enabled=True)
     monkeypatch.setattr(selection_audit, "AUDIT", fresh)
-    original = selection_audit.install()
+    restore = selection_audit.install()
     yield fresh
-    fi_mod.MiniMaxM3IndexerFlashInferImpl.forward = original
+    restore()
 
 
-def _step(monkeypatch, name: str, heads: int = 2):
+def _step(monkeypatch, name: str, heads: int = 2, builder_local_blocks: int = 1):
     torch.manual_seed(5)
     batch = make_batch(*BATCHES[name])
     impl, _ = make_impl(heads=heads, dtype="fp8")
@@ -38,8 +40,13 @@ def _step(monkeypatch, name: str, heads: int = 2):
         torch.randn(batch.num_pages, 1, PAGE, 128).to(torch.float8_e4m3fn)
     )
     index_query = torch.randn(sum(batch.query_lens) + 3, heads * 128).to(torch.float8_e4m3fn)
-    md = make_builder(index_heads=heads).build(0, batch.metadata)
+    builder = make_builder(index_heads=heads, local_blocks=builder_local_blocks)
+    md = builder.build(0, batch.metadata)
     return impl, md, index_query
+
+
+def _problems(audit) -> list[str]:
+    return [p for counts in audit.summary()["by_kind"].values() for p in counts["problems"]]
 
 
 def test_a_correct_mixed_step_passes(monkeypatch, audit):
@@ -73,7 +80,23 @@ def test_one_wrong_block_is_caught(monkeypatch, kernels, audit):
 
 def test_a_wrong_page_count_is_caught(monkeypatch, audit):
     impl, md, index_query = _step(monkeypatch, "decode")
-    md.calls[0].num_valid_pages[2] += 1
+    md.calls[0].num_valid_pages[0] -= 1  # request 0: 3000 tokens of context, 24 pages
     run_forward(monkeypatch, impl, md, index_query)
-    problems = audit.summary()["by_kind"]["decode"]["problems"]
-    assert any("num_valid_pages" in p for p in problems), problems
+    assert _problems(audit), audit.summary()
+
+
+def test_a_mis_sliced_page_table_is_caught(monkeypatch, audit):
+    """The decode side of a mixed step reading the prefill's page-table row."""
+    impl, md, index_query = _step(monkeypatch, "decode+prefill")
+    decode_call = md.calls[0]
+    decode_call.page_table[1] = md.proxy_page_table[2]  # the context of request 1 swapped
+    run_forward(monkeypatch, impl, md, index_query)
+    problems = audit.summary()["by_kind"]["mixed-decode"]["problems"]
+    assert problems, audit.summary()
+
+
+def test_a_window_other_than_the_model_configs_is_caught(monkeypatch, audit):
+    impl, md, index_query = _step(monkeypatch, "decode")
+    md.local_blocks = 0  # the model config says 1
+    run_forward(monkeypatch, impl, md, index_query)
+    assert any("forced block missing" in p for p in _problems(audit)), audit.summary()

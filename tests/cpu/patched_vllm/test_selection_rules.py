@@ -1,0 +1,82 @@
+"""Literal selection rows, written from the rules, not derived from the gate.
+
+`test_selection.py` computes its expectation with a function that follows the
+gate's decision order; if that order were wrong, both would agree. Each row here
+states one configuration and its outcome as the README's gating rules and vLLM
+0.34.0's own selection (MSA on the SM100 family with topk 16, Triton elsewhere,
+nvfp4 only on SM100/SM103/SM107) say it, varying the index-head count, which
+the matrix keeps at 1: on SM90 only 1, 2 or 4 index heads per rank take
+FlashInfer; SM120/SM121 take any count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import vllm.utils.flashinfer as fi_utils
+
+from vllm_minimax.probe import select_indexer
+
+FLASHINFER = "MiniMaxM3IndexerFlashInferImpl"
+TRITON = "MiniMaxM3IndexerTritonImpl"
+MSA = "MiniMaxM3IndexerMSAImpl"
+NVFP4 = "MiniMaxM3IndexerNvfp4Impl"
+TOO_OLD = "flashinfer-python 0.7.3 is older than 0.7.4, the first release validated"
+ABSENT = "flashinfer-python is not installed or cannot JIT its kernels"
+
+# (capability, indexer_kv_dtype, num_index_heads, topk_blocks, probe says, override)
+#   -> (impl class or exception type, fragment of its log line or message)
+ROWS = [
+    (((9, 0), "fp8", 1, 16, None, "auto"), (FLASHINFER, "selected FlashInfer")),
+    (((9, 0), "fp8", 2, 16, None, "auto"), (FLASHINFER, "selected FlashInfer")),
+    (((9, 0), "fp8", 4, 16, None, "flashinfer"), (FLASHINFER, "selected FlashInfer")),
+    (((9, 0), "fp8_e4m3", 4, 16, None, "auto"), (FLASHINFER, "selected FlashInfer")),
+    (((9, 0), "fp8", 3, 16, None, "auto"), (TRITON, "3 index heads per rank")),
+    (((9, 0), "fp8", 8, 16, None, "auto"), (TRITON, "8 index heads per rank")),
+    (((9, 0), "fp8", 8, 16, None, "flashinfer"), ("ValueError", "8 index heads per rank")),
+    (((9, 0), "bf16", 1, 16, None, "auto"), (TRITON, "set indexer_kv_dtype=fp8")),
+    (((9, 0), "bf16", 2, 16, None, "flashinfer"), ("ValueError", "index cache is bf16")),
+    (((9, 0), "fp8", 2, 8, None, "auto"), (TRITON, "topk_blocks=8")),
+    (((9, 0), "fp8", 4, 16, TOO_OLD, "auto"), (TRITON, "older than 0.7.4")),
+    (((9, 0), "fp8", 1, 16, ABSENT, "flashinfer"), ("ValueError", "not installed")),
+    (((9, 0), "fp8", 2, 16, None, "triton"), (TRITON, "minimax_m3_indexer_backend")),
+    (((12, 0), "bf16", 8, 16, None, "auto"), (FLASHINFER, "selected FlashInfer")),
+    (((12, 0), "fp8", 4, 16, None, "auto"), (FLASHINFER, "selected FlashInfer")),
+    (((12, 1), "bf16", 2, 16, None, "auto"), (FLASHINFER, "selected FlashInfer")),
+    (((12, 1), "fp8", 3, 16, None, "flashinfer"), (FLASHINFER, "selected FlashInfer")),
+    (((12, 0), "bf16", 8, 8, None, "flashinfer"), ("ValueError", "topk_blocks=8")),
+    (((12, 0), "fp8", 4, 16, ABSENT, "auto"), (TRITON, "not installed")),
+    (((12, 0), "nvfp4", 1, 16, None, "auto"), ("NotImplementedError", "SM100, SM103 or SM107")),
+    (((10, 0), "fp8", 1, 16, None, "auto"), (MSA, "selected MSA")),
+    (((10, 0), "bf16", 8, 16, None, "auto"), (MSA, "selected MSA")),
+    (((10, 3), "fp8", 4, 16, None, "auto"), (MSA, "selected MSA")),
+    (((10, 0), "fp8", 2, 16, None, "triton"), (TRITON, "selected Triton")),
+    (((10, 0), "bf16", 1, 16, None, "flashinfer"), ("ValueError", "cannot run here")),
+    (((10, 0), "bf16", 1, 8, None, "auto"), (TRITON, "no fmha_sm100")),
+    (((10, 0), "nvfp4", 2, 16, None, "auto"), (NVFP4, "selected NVFP4")),
+    (((9, 0), "nvfp4", 1, 16, None, "flashinfer"), ("ValueError", "nvfp4")),
+    (((8, 0), "bf16", 4, 16, None, "auto"), (TRITON, "no fmha_sm100")),
+    (((8, 0), "fp8", 1, 16, None, "auto"), ("NotImplementedError", "requires CUDA fp8 support")),
+    (((8, 9), "fp8", 2, 16, None, "auto"), (TRITON, "no fmha_sm100")),
+]
+
+
+@pytest.mark.parametrize(("config", "outcome"), ROWS, ids=lambda v: "-".join(map(str, v)))
+def test_selection_row(monkeypatch, config, outcome):
+    cap, dtype, heads, topk, probe_says, override = config
+    kind, fragment = outcome
+    monkeypatch.setattr(fi_utils, "flashinfer_msa_indexer_unavailable", lambda: probe_says)
+    selection = select_indexer(
+        indexer_kv_dtype=dtype,
+        topk_blocks=topk,
+        num_index_heads=heads,
+        indexer_backend=override,
+        capability=cap,
+    )
+    if kind.endswith("Error"):
+        assert selection.error is not None, selection.describe()
+        assert selection.error.startswith(kind), selection.error
+        assert fragment in selection.error, selection.error
+    else:
+        assert selection.error is None, selection.error
+        assert selection.impl == kind, selection.describe()
+        assert selection.log is not None and fragment in selection.log, selection.log
