@@ -694,3 +694,40 @@ def test_preset_longer_than_an_arms_max_model_len_is_refused_before_any_server(t
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "needs max_model_len >= 98368" in line and "max_model_len 1024" in line
     assert not (tmp_path / "o" / "triton").exists()
+
+
+def test_offline_preset_whose_hub_data_is_not_cached_is_refused(
+    tmp_path, capsys, monkeypatch, stand_in_server
+):
+    preset = tmp_path / "hub.yaml"
+    preset.write_text(
+        yaml.safe_dump({"hub_datasets": ["nobody/no-such-dataset"], "tasks": [GOOD_TASK]})
+    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    argv = ["eval", "accuracy", "--base-url", stand_in_server.base_url, "--model", "m"]
+    assert main([*argv, "--preset", str(preset), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "loads the hub dataset(s) nobody/no-such-dataset, not in the local" in line
+    assert not (tmp_path / "out" / "lm_eval").exists()
+    # Its processed copy in the datasets cache is enough.
+    (tmp_path / "hf" / "datasets" / "nobody___no-such-dataset").mkdir(parents=True)
+    assert accuracy.hub_dataset_cached("nobody/no-such-dataset")
+
+
+def test_published_references_and_their_tolerance():
+    preset = presets.load_accuracy_preset("gsm8k-chat-thinking")
+    [reference] = preset.references
+    assert (reference.score, reference.tolerance) == (0.9546, 0.02)
+    key = (reference.task, reference.metric)
+    inside = Score(*key, 0.9546 - 0.0199, 0.005, 1319)
+    outside = Score(*key, 0.9546 - 0.0201, 0.005, 1319)
+    assert [c.passed for c in accuracy.check_references([inside], preset)] == [True]
+    assert [c.passed for c in accuracy.check_references([outside], preset)] == [False]
+    assert [c.passed for c in accuracy.check_references([], preset)] == [False]
+    task = preset.tasks[0]
+    command = accuracy.lm_eval_command(preset, task, "http://h", "m", Path("o"), None, None, 60)
+    assert command[command.index("--gen_kwargs") + 1] == "max_gen_toks=16384"
+    assert "timeout=60" in command[command.index("--model_args") + 1]
+    assert "--apply_chat_template" in command

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -177,6 +178,8 @@ def lm_eval_command(
         command += ["--limit", str(effective_limit)]
     if task.metadata:
         command += ["--metadata", json.dumps(task.metadata)]
+    if task.gen_kwargs:
+        command += ["--gen_kwargs", ",".join(f"{k}={v}" for k, v in task.gen_kwargs.items())]
     if task.apply_chat_template:
         command.append("--apply_chat_template")
     return command
@@ -259,6 +262,31 @@ def run_lm_eval(command: list[str], log_path: Path, cwd: Path, label: str) -> in
     return process.returncode
 
 
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def hub_offline() -> bool:
+    return any(
+        os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+        for name in OFFLINE_VARIABLES
+    )
+
+
+def hub_dataset_cached(repo_id: str) -> bool:
+    """Whether ``datasets`` can load ``repo_id`` offline: its hub snapshot or its processed
+    copy (``HF_DATASETS_CACHE``) is on disk."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(repo_id, repo_type="dataset", local_files_only=True)
+        return True
+    except Exception:  # any failure means: not usable offline
+        pass
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    processed = Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets"))
+    return (processed / repo_id.replace("/", "___")).is_dir()
+
+
 def check_accuracy_preset(preset: AccuracyPreset, served: ServedModel, base_url: str) -> None:
     """Refuse a preset that cannot run here: missing local data, a context too long."""
     missing = [path for path in preset.data_files if not path.exists()]
@@ -267,6 +295,15 @@ def check_accuracy_preset(preset: AccuracyPreset, served: ServedModel, base_url:
             f"accuracy preset {preset.name!r} reads local data that is not there:"
             f" {', '.join(map(str, missing))} (see the preset's comment for how to get it)"
         )
+    if hub_offline():
+        absent = [name for name in preset.hub_datasets if not hub_dataset_cached(name)]
+        if absent:
+            raise EvalError(
+                f"accuracy preset {preset.name!r} loads the hub dataset(s) {', '.join(absent)},"
+                " not in the local Hugging Face cache, and the hub is off (HF_HUB_OFFLINE or"
+                " HF_DATASETS_OFFLINE): fetch them once where the hub is reachable, e.g. `hf"
+                f" download {absent[0]} --repo-type dataset`, and copy the cache here"
+            )
     if preset.min_model_len is not None:
         require_model_len(
             served, preset.min_model_len, f"accuracy preset {preset.name!r}", base_url

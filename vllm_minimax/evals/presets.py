@@ -70,6 +70,8 @@ class AccuracyTask:
     metadata: dict[str, Any] = field(default_factory=dict)
     model_args: dict[str, Any] = field(default_factory=dict)
     apply_chat_template: bool = False
+    # lm-eval's --gen_kwargs (e.g. max_gen_toks for a thinking model).
+    gen_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,9 @@ class AccuracyPreset:
     # Local files the tasks read (``data_files`` below the preset): missing ones are named
     # before any request.
     data_files: list[Path] = field(default_factory=list)
+    # Hub datasets the tasks load (``openai/gsm8k``): with HF_HUB_OFFLINE or
+    # HF_DATASETS_OFFLINE set, one missing from the local cache is named before any request.
+    hub_datasets: list[str] = field(default_factory=list)
 
 
 class _Where:
@@ -166,10 +171,11 @@ def _non_empty_list(value: Any, where: _Where) -> list[Any]:
 
 TASK_KEYS = (
     "task", "metrics", "num_fewshot", "limit", "metadata", "model_args", "apply_chat_template",
+    "gen_kwargs",
 )  # fmt: skip
 ACCURACY_KEYS = (
     "model_type", "model_args", "include_path", "tasks", "min_model_len", "references",
-    "data_files",
+    "data_files", "hub_datasets",
 )  # fmt: skip
 REFERENCE_KEYS = ("task", "metric", "score", "tolerance", "source")
 
@@ -190,6 +196,7 @@ def _accuracy_task(entry: Any, where: _Where) -> AccuracyTask:
         metadata=_mapping(entry.get("metadata"), where / "metadata"),
         model_args=_mapping(entry.get("model_args"), where / "model_args"),
         apply_chat_template=chat,
+        gen_kwargs=_mapping(entry.get("gen_kwargs"), where / "gen_kwargs"),
     )
 
 
@@ -228,6 +235,9 @@ def load_accuracy_preset(name_or_path: str) -> AccuracyPreset:
     raw_references = data.get("references") or []
     if not isinstance(raw_references, list):
         raise (where / "references").error(f"expected a list, got {raw_references!r}")
+    raw_hub = data.get("hub_datasets") or []
+    if not isinstance(raw_hub, list):
+        raise (where / "hub_datasets").error(f"expected a list, got {raw_hub!r}")
     raw_files = data.get("data_files") or []
     if not isinstance(raw_files, list):
         raise (where / "data_files").error(f"expected a list, got {raw_files!r}")
@@ -245,6 +255,9 @@ def load_accuracy_preset(name_or_path: str) -> AccuracyPreset:
         data_files=[
             (path.parent / _string(entry, where / "data_files" / i)).resolve()
             for i, entry in enumerate(raw_files)
+        ],
+        hub_datasets=[
+            _string(entry, where / "hub_datasets" / i) for i, entry in enumerate(raw_hub)
         ],
     )
 
