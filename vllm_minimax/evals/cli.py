@@ -228,12 +228,17 @@ def eval_command(handler: Callable[[argparse.Namespace], int]) -> Callable[..., 
 
 
 def prepare_out_dir(path: Path) -> None:
-    """Create ``--out`` and prove it writable, or refuse with the reason."""
+    """Refuse an ``--out`` that cannot hold results, without creating anything: it must be a
+    writable directory, or not exist below a writable one (the run creates it)."""
     if path.exists() and not path.is_dir():
         raise EvalError(f"--out {path} exists and is not a directory")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise EvalError(f"--out {path} is not writable: {existing} is not a directory")
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as error:
         raise EvalError(f"--out {path} is not writable: {error.strerror or error}") from None
