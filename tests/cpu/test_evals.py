@@ -367,17 +367,28 @@ def test_server_that_exits_reports_its_log(tmp_path):
     assert "no such model, giving up" in str(raised.value)
 
 
-def test_server_start_timeout_stops_its_process_group(tmp_path, capsys):
+def test_server_start_timeout_stops_its_process_group(tmp_path, capsys, monkeypatch):
+    from vllm_minimax.evals import server as server_module
+
+    monkeypatch.setattr(server_module, "HEARTBEAT_S", 1.0)
     # The stand-in forks a child into its group, as vLLM forks its engine core.
-    script = "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"
+    script = (
+        "import subprocess, time; print('loading the weights', flush=True);"
+        " subprocess.Popen(['sleep', '300']); time.sleep(300)"
+    )
     server = VllmServer("m", tmp_path / "server.log", command=[*STAND_IN, script])
-    server.startup_timeout = 2.0
+    server.startup_timeout = 4.0
     started = time.monotonic()
-    with pytest.raises(ServerError, match=r"did not answer .*/health within 2 s"):
+    with pytest.raises(ServerError, match=r"did not answer .*/health within 4 s"):
         server.start()
     assert time.monotonic() - started < 60
-    pgid = int(re.search(r"started pid (\d+)", capsys.readouterr().err).group(1))
+    error = capsys.readouterr().err
+    pgid = int(re.search(r"started pid (\d+)", error).group(1))
     assert not process_group_alive(pgid)
+    # The heartbeat: seconds waited and the log's last line.
+    beats = re.findall(r"server: waiting for /health, (\d+) s so far; log: (.*)", error)
+    assert beats and beats[-1][1] == "loading the weights"
+    assert int(beats[-1][0]) >= 1
 
 
 class StandInServer:
