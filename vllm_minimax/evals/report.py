@@ -341,6 +341,8 @@ def _ab_throughput(ab: dict[str, Any], repeat: int) -> list[str]:
 def ab_plots(ab: dict[str, Any], out_dir: Path) -> list[Path]:
     """One PNG per throughput scenario (tok/s, TTFT, TPOT against concurrency: the median of
     the rounds, bars from min to max, y from 0), one for accuracy unless every score is 0."""
+    if not any(arm.get("throughput") or arm.get("accuracy") for arm in ab["arms"]):
+        return []  # nothing to draw yet (and matplotlib's import takes a while)
     require("matplotlib")
     import matplotlib
 
