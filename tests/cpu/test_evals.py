@@ -546,6 +546,14 @@ def test_ctrl_c_during_ab_stops_the_server(tmp_path):
         assert process.wait(timeout=60) == 130
     assert not process_group_alive(pgid)
     assert "interrupted" in stderr_path.read_text()
+    # The interruption is on record, with where it happened.
+    written = json.loads((tmp_path / "out" / "ab.json").read_text())
+    assert written["interrupted"] == "interrupted during arm a, round 1 of 3"
+    assert not written["complete"]
+    assert (
+        "**Interrupted:** interrupted during arm a, round 1 of 3."
+        in (tmp_path / "out" / "report.md").read_text()
+    )
 
 
 def start_client(tmp_path: Path, script: str) -> tuple[subprocess.Popen, Path, int]:
