@@ -124,9 +124,12 @@ def test_unknown_task_fails_with_lm_evals_message(tmp_path, capsys, stand_in_ser
     command = ["eval", "accuracy", "--model", "m", "--preset", str(preset)]
     assert main([*command, "--base-url", stand_in_server.base_url, "--out", str(out)]) == 2
     error = capsys.readouterr().err
-    first, log_line = error.strip().splitlines()[:2]
+    lines = error.strip().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("vllm-minimax: error:"))
+    first, log_line = lines[at : at + 2]
     assert "lm-eval failed for task 'no_such_task'" in first
-    assert "no_such_task" in first.split("):", 1)[1]  # lm-eval's own words, its first error
+    # lm-eval's own words: the first exception line of its log, not a traceback.
+    assert first.endswith("(exit status 1): ValueError: Tasks not found: no_such_task")
     assert log_line == f"lm-eval's log: {out / 'lm_eval' / 'no_such_task.log'}"
     assert json.loads((out / "accuracy.json").read_text())["complete"] is False
 
