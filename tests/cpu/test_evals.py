@@ -514,6 +514,17 @@ def test_lm_eval_progress_bars_are_forwarded(tmp_path, capsys, monkeypatch):
     assert "done" in log.read_text()
 
 
+def test_silent_lm_eval_gets_a_heartbeat(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(accuracy, "LM_EVAL_HEARTBEAT_S", 1.0)
+    script = "import time; print('loading tasks', flush=True); time.sleep(3.5)"
+    log = tmp_path / "log"
+    assert accuracy.run_lm_eval([sys.executable, "-c", script], log, tmp_path, "accuracy t") == 0
+    beats = re.findall(
+        r"accuracy t: lm-eval running, (\d+) s so far; log: (.*)", capsys.readouterr().err
+    )
+    assert len(beats) >= 2 and beats[-1][1] == "loading tasks"
+
+
 def test_ctrl_c_during_ab_stops_the_server(tmp_path):
     """SIGINT to `eval ab` while its server starts: exit 130, the server's group is gone."""
     stand_in = f"{sys.executable} -c 'import time; time.sleep(300)'"

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+import select
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ DEFAULT_Z = 1.96
 EXCEPTION_LINE = re.compile(r"(^|\s)([A-Za-z_][\w.]*(Error|Exception)|KeyboardInterrupt)(:|$)")
 PROGRESS_BAR = re.compile(rb"\d+%\|")
 PROGRESS_EVERY_S = 10.0
+LM_EVAL_HEARTBEAT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -230,7 +232,8 @@ def first_error_line(log_path: Path) -> str:
 
 
 def run_lm_eval(command: list[str], log_path: Path, cwd: Path, label: str) -> int:
-    """Run lm-eval with its output in ``log_path``; forward its progress bars, throttled."""
+    """Run lm-eval with its output in ``log_path``; forward its progress bars (throttled),
+    and while it prints none, a heartbeat with the seconds waited and the log's last line."""
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             command,
@@ -240,20 +243,35 @@ def run_lm_eval(command: list[str], log_path: Path, cwd: Path, label: str) -> in
             cwd=cwd,
         )
         assert process.stdout is not None
-        reported = time.monotonic()
+        started = reported = time.monotonic()
         pending = b""
+        last_line = ""
         try:
-            while chunk := process.stdout.read1(65536):
-                log.write(chunk)
-                log.flush()
-                # tqdm redraws with \r; each redraw is a line here.
-                *lines, pending = (pending + chunk).replace(b"\r", b"\n").split(b"\n")
-                bars = [line for line in lines if PROGRESS_BAR.search(line)]
+            while True:
+                ready, _, _ = select.select([process.stdout], [], [], 1.0)
+                bars: list[bytes] = []
+                if ready:
+                    chunk = process.stdout.read1(65536)
+                    if not chunk:
+                        break
+                    log.write(chunk)
+                    log.flush()
+                    # tqdm redraws with \r; each redraw is a line here.
+                    *lines, pending = (pending + chunk).replace(b"\r", b"\n").split(b"\n")
+                    bars = [line for line in lines if PROGRESS_BAR.search(line)]
+                    text_lines = [line.strip() for line in lines if line.strip()]
+                    if text_lines:
+                        last_line = text_lines[-1].decode(errors="replace")
                 now = time.monotonic()
                 if bars and (now - reported >= PROGRESS_EVERY_S or b"100%" in bars[-1]):
                     reported = now
-                    text = bars[-1].decode(errors="replace").strip()
-                    progress(f"{label}: {text[:150]}")
+                    progress(f"{label}: {bars[-1].decode(errors='replace').strip()[:150]}")
+                elif now - reported >= LM_EVAL_HEARTBEAT_S:
+                    reported = now
+                    progress(
+                        f"{label}: lm-eval running, {now - started:.0f} s so far; log:"
+                        f" {last_line[:150] or '(nothing yet)'}"
+                    )
         except BaseException:
             process.kill()
             raise
