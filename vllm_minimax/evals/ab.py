@@ -8,10 +8,14 @@ passed to the server as ``--config``, which is how vLLM itself reads YAML config
 default arms are MiniMax M3's two indexers, ``triton`` (the stock path, the reference) and
 ``flashinfer`` (this patch set's).
 
-Arms run one after another, each on a server of its own, started and stopped here. The
-first arm is the reference: each other arm's scores are compared with it by the rule of
-:mod:`vllm_minimax.evals.accuracy`. ``ab.json`` and ``report.md`` are rewritten after each
-arm, so a failure keeps what finished.
+Arms run one after another, each on a server of its own, started and stopped here, in
+``--repeat`` rounds (default 3) whose order alternates (A B, B A, A B, ...), so that a drift
+of the machine weighs on both arms; the reports give each level's median over the rounds
+and its min..max. Accuracy runs in the first round only (greedy decoding: a second run
+repeats the first). The first arm is the reference: each other arm's scores are compared
+with it by the rule of :mod:`vllm_minimax.evals.accuracy`. ``ab.json`` and ``report.md``
+are rewritten after each arm's round, and a round that fails or is interrupted (Ctrl-C)
+keeps its measured levels there; the report names the levels not measured.
 """
 
 from __future__ import annotations
@@ -27,17 +31,24 @@ from typing import Any
 import yaml
 
 from vllm_minimax.evals import report
-from vllm_minimax.evals.accuracy import DEFAULT_Z, Score, compare_all, run_accuracy
+from vllm_minimax.evals.accuracy import (
+    DEFAULT_Z,
+    Score,
+    check_accuracy_preset,
+    compare_all,
+    run_accuracy,
+)
 from vllm_minimax.evals.common import EvalError, progress, read_yaml_mapping, write_json
 from vllm_minimax.evals.presets import AccuracyPreset, ThroughputPreset
-from vllm_minimax.evals.server import ServerError, VllmServer
-from vllm_minimax.evals.throughput import Vocabulary, run_throughput
+from vllm_minimax.evals.server import ServedModel, ServerError, VllmServer
+from vllm_minimax.evals.throughput import RequestTimeouts, Vocabulary, check_fits, run_throughput
 
 INDEXER_BACKEND_KEY = "minimax_m3_indexer_backend"
 DEFAULT_ARMS: dict[str, dict[str, Any]] = {
     backend: {"attention-config": {INDEXER_BACKEND_KEY: backend}}
     for backend in ("triton", "flashinfer")
 }
+DEFAULT_REPEAT = 3
 ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -93,6 +104,40 @@ class ServerLaunch:
     port: int | None = None
 
 
+def round_order(arms: Sequence[Arm], round_index: int) -> list[Arm]:
+    """Even rounds run the arms as given, odd rounds in reverse: a drift over time (thermal,
+    a neighbour's load) then weighs on every arm alike."""
+    return list(arms) if round_index % 2 == 0 else list(reversed(arms))
+
+
+def configured_model_len(config: Mapping[str, Any]) -> int | None:
+    for key in ("max-model-len", "max_model_len"):
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def check_presets_fit(
+    arms: Sequence[Arm],
+    config: Mapping[str, Any],
+    accuracy_presets: Sequence[AccuracyPreset],
+    throughput_preset: ThroughputPreset | None,
+) -> None:
+    """Before any server starts: refuse presets longer than an arm's configured max-model-len
+    (a server without one is checked once it is up, through /v1/models)."""
+    for arm in arms:
+        length = configured_model_len(merge_server_args(config, arm.server_args))
+        if length is None:
+            continue
+        served = ServedModel("", length)
+        where = f"arm {arm.name}'s serve config"
+        if throughput_preset is not None:
+            check_fits(throughput_preset, served, where)
+        for preset in accuracy_presets:
+            check_accuracy_preset(preset, served, where)
+
+
 def run_ab(
     arms: Sequence[Arm],
     launch: ServerLaunch,
@@ -103,10 +148,15 @@ def run_ab(
     tokenizer: str | None = None,
     limit: int | None = None,
     z: float = DEFAULT_Z,
+    repeat: int = DEFAULT_REPEAT,
+    timeouts: RequestTimeouts | None = None,
 ) -> dict[str, Any]:
     if len({arm.name for arm in arms}) != len(arms) or len(arms) < 2:
         raise EvalError("eval ab needs at least two arms with different names")
+    if repeat < 1:
+        raise EvalError(f"--repeat must be 1 or more, got {repeat}")
     config = load_serve_config(config_path)
+    check_presets_fit(arms, config, accuracy_presets, throughput_preset)
     out_dir.mkdir(parents=True, exist_ok=True)
     ab: dict[str, Any] = {
         "model": launch.model,
@@ -114,21 +164,48 @@ def run_ab(
         "server_command": launch.command,
         "accuracy_presets": [preset.name for preset in accuracy_presets],
         "throughput_preset": throughput_preset.name if throughput_preset else None,
+        "throughput_plan": [
+            {
+                "name": scenario.name,
+                "shapes": [asdict(shape) for shape in scenario.shapes],
+                "concurrency": scenario.concurrency,
+            }
+            for scenario in (throughput_preset.scenarios if throughput_preset else [])
+        ],
         "z": z,
-        "arms": [{"name": arm.name, "server_args": json.dumps(arm.server_args)} for arm in arms],
+        "repeat": repeat,
+        "round_order": [[arm.name for arm in round_order(arms, r)] for r in range(repeat)],
+        "arms": [
+            {"name": arm.name, "server_args": json.dumps(arm.server_args), "rounds": []}
+            for arm in arms
+        ],
         "complete": False,
     }
-    vocabulary = Vocabulary.from_tokenizer(tokenizer or launch.model) if throughput_preset else None
+    records = {record["name"]: record for record in ab["arms"]}
+    vocabulary = None
+    if throughput_preset is not None:
+        progress(f"loading the tokenizer {tokenizer or launch.model} for the random prompts")
+        vocabulary = Vocabulary.from_tokenizer(tokenizer or launch.model)
+    write_outputs(ab, out_dir)
+    current, current_arm = "", ""
     try:
-        for arm, record in zip(arms, ab["arms"], strict=True):
-            run_arm(arm, record, launch, config, accuracy_presets, throughput_preset,
-                    vocabulary, out_dir / arm.name, tokenizer, limit)  # fmt: skip
-            write_outputs(ab, out_dir)
+        for round_index in range(repeat):
+            for arm in round_order(arms, round_index):
+                current = f"arm {arm.name}, round {round_index + 1} of {repeat}"
+                current_arm = arm.name
+                run_arm(arm, records[arm.name], round_index, launch, config,
+                        accuracy_presets if round_index == 0 else [], throughput_preset,
+                        vocabulary, out_dir / arm.name, tokenizer, limit, timeouts)  # fmt: skip
+                write_outputs(ab, out_dir)
     except EvalError as error:
-        failed = next((record for record in ab["arms"] if "finished" not in record), ab["arms"][-1])
-        failed["error"] = str(error).splitlines()[0]
+        if current_arm:
+            records[current_arm]["error"] = f"{current}: {str(error).splitlines()[0]}"
         write_outputs(ab, out_dir)
-        raise EvalError(f"arm {failed['name']}: {error}\nwhat finished is in {out_dir}") from None
+        raise EvalError(f"{current}: {error}\nwhat finished is in {out_dir}") from None
+    except KeyboardInterrupt:
+        ab["interrupted"] = f"interrupted during {current}" if current else "interrupted"
+        write_outputs(ab, out_dir)
+        raise
     ab["complete"] = True
     return write_outputs(ab, out_dir)
 
@@ -136,6 +213,7 @@ def run_ab(
 def run_arm(
     arm: Arm,
     record: dict[str, Any],
+    round_index: int,
     launch: ServerLaunch,
     config: Mapping[str, Any],
     accuracy_presets: Sequence[AccuracyPreset],
@@ -144,48 +222,76 @@ def run_arm(
     arm_dir: Path,
     tokenizer: str | None,
     limit: int | None,
+    timeouts: RequestTimeouts | None,
 ) -> None:
-    arm_dir.mkdir(parents=True, exist_ok=True)
+    """One round of one arm: its own server; accuracy (first round only), then throughput.
+
+    The levels measured go into ``record`` also when the round fails or is interrupted."""
+    round_dir = arm_dir / f"round-{round_index + 1}"
+    round_dir.mkdir(parents=True, exist_ok=True)
     serve_yaml = arm_dir / "serve.yaml"
     serve_yaml.write_text(yaml.safe_dump(merge_server_args(config, arm.server_args)))
     server = VllmServer(
         model=launch.model,
-        log_path=arm_dir / "server.log",
+        log_path=round_dir / "server.log",
         command=launch.command,
         config=serve_yaml,
         env=launch.env,
         port=launch.port,
         startup_timeout=launch.startup_timeout,
     )
-    progress(f"arm {arm.name}: starting the server ({json.dumps(arm.server_args)})")
-    with server:
-        record["startup_seconds"] = server.startup_seconds
-        # start_new_session: the pid is the process group id, gone once the server stopped.
-        record["server_pgid"] = server.process.pid if server.process else None
-        try:
-            scores: list[dict[str, Any]] = []
-            for preset in accuracy_presets:
-                progress(f"arm {arm.name}: accuracy preset {preset.name}")
-                summary = run_accuracy(
-                    preset, server.base_url, launch.model, arm_dir / "accuracy" / preset.name,
-                    tokenizer=tokenizer, limit=limit,
-                )  # fmt: skip
-                scores += summary["scores"]
-                record["accuracy"] = {"scores": scores}
-            if throughput_preset is not None and vocabulary is not None:
-                progress(f"arm {arm.name}: throughput preset {throughput_preset.name}")
-                record["throughput"] = run_throughput(
-                    throughput_preset, server.base_url, launch.model,
-                    arm_dir / "throughput.json", vocabulary, on_level_done=server.check_alive,
-                )  # fmt: skip
-        except EvalError as error:
-            # A dead server explains a failed request or lm-eval run better than either.
+    entry: dict[str, Any] = {"round": round_index}
+    record["rounds"].append(entry)
+    throughput_file = round_dir / "throughput.json"
+    progress(f"arm {arm.name} round {round_index + 1}: starting the server")
+    try:
+        with server:
+            entry["startup_seconds"] = server.startup_seconds
+            # start_new_session: the pid is the process group id, gone once the server stopped.
+            entry["server_pgid"] = server.process.pid if server.process else None
             try:
-                server.check_alive()
-            except ServerError as died:
-                raise ServerError(f"{died}\n(while: {str(error).splitlines()[0]})") from None
-            raise
-    record["finished"] = True
+                scores: list[dict[str, Any]] = []
+                for preset in accuracy_presets:
+                    progress(f"arm {arm.name}: accuracy preset {preset.name}")
+                    summary = run_accuracy(
+                        preset, server.base_url, launch.model, arm_dir / "accuracy" / preset.name,
+                        tokenizer=tokenizer, limit=limit,
+                        request_timeout=timeouts.total_s if timeouts else None,
+                    )  # fmt: skip
+                    scores += summary["scores"]
+                    record["accuracy"] = {"scores": scores}
+                if throughput_preset is not None and vocabulary is not None:
+                    progress(f"arm {arm.name}: throughput preset {throughput_preset.name}")
+                    run_throughput(
+                        throughput_preset, server.base_url, launch.model, throughput_file,
+                        vocabulary, on_level_done=server.check_alive, timeouts=timeouts,
+                        round_index=round_index,
+                    )  # fmt: skip
+            except EvalError as error:
+                # A dead server explains a failed request or lm-eval run better than either.
+                try:
+                    server.check_alive()
+                except ServerError as died:
+                    raise ServerError(f"{died}\n(while: {str(error).splitlines()[0]})") from None
+                raise
+    finally:
+        merge_round_levels(record, throughput_file)
+    entry["finished"] = True
+
+
+def merge_round_levels(record: dict[str, Any], throughput_file: Path) -> None:
+    """Add a round's measured levels (from its throughput.json) to the arm's record."""
+    if not throughput_file.exists():
+        return
+    try:
+        round_results = json.loads(throughput_file.read_text())
+    except (OSError, ValueError):
+        return
+    merged = record.setdefault("throughput", {"scenarios": []})
+    for index, scenario in enumerate(round_results.get("scenarios", [])):
+        if index == len(merged["scenarios"]):
+            merged["scenarios"].append({**scenario, "levels": []})
+        merged["scenarios"][index]["levels"] += scenario.get("levels", [])
 
 
 def write_outputs(ab: dict[str, Any], out_dir: Path) -> dict[str, Any]:

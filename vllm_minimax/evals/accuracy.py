@@ -4,11 +4,14 @@ lm-eval runs as a subprocess, once per task of the preset, with its ``local-comp
 ``local-chat-completions`` model pointed at the server. One process per task keeps each
 task's own lm-eval JSON (``lm_eval/<task>/``) on disk as soon as that task ends, so a run
 that fails later keeps what it finished, and a failing task's lm-eval log is quoted as is.
-lm-eval runs with the task directory as its working directory, so the shipped tasks'
-``data_files`` are relative to their YAML.
+The server is checked first (``/health``, ``/v1/models`` lists the model, the preset's
+``min_model_len`` fits its ``max_model_len``, the preset's local data files exist). lm-eval's
+progress bars are forwarded to stderr every few seconds; a failed task is reported by the
+first exception line of its log (the cause) and the log's path.
 
 The summary, ``accuracy.json``, is one score per (task, metric): value, standard error and
-sample count. A summary from an earlier run is a baseline for the next one.
+sample count. A summary from an earlier run is a baseline for the next one. A preset may list
+published ``references``: a score within the preset's stated ``tolerance`` of one matches it.
 
 **The rule.** A score passes when ``|score - baseline| <= z * sqrt(se^2 + se_baseline^2)``
 (``z`` = 1.96 by default): the two runs are independent estimates, so the standard error of
@@ -22,24 +25,27 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import select
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_minimax.evals.common import (
-    EvalError,
-    log_tail,
-    progress,
-    read_json,
-    require,
-    write_json,
-)
+from vllm_minimax.evals.common import EvalError, progress, read_json, require, write_json
 from vllm_minimax.evals.presets import AccuracyPreset, AccuracyTask
+from vllm_minimax.evals.server import ServedModel, check_server, require_model_len
 
 DEFAULT_Z = 1.96
-LOG_TAIL_LINES = 30
+# A Python exception named at the start of a line or after a log prefix:
+# ``aiohttp.client_exceptions.ClientConnectorError: Cannot connect ...``.
+EXCEPTION_LINE = re.compile(r"(^|\s)([A-Za-z_][\w.]*(Error|Exception)|KeyboardInterrupt)(:|$)")
+PROGRESS_BAR = re.compile(rb"\d+%\|")
+PROGRESS_EVERY_S = 10.0
+LM_EVAL_HEARTBEAT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,7 @@ def lm_eval_command(
     output_dir: Path,
     tokenizer: str | None,
     limit: int | None,
+    request_timeout: float | None = None,
 ) -> list[str]:
     endpoint = (
         "chat/completions" if preset.model_type == "local-chat-completions" else "completions"
@@ -157,6 +164,8 @@ def lm_eval_command(
         **preset.model_args,
         **task.model_args,
     }
+    if request_timeout is not None:
+        model_args["timeout"] = int(request_timeout)
     if tokenizer and model_args.get("tokenizer_backend") not in (None, "None", "none"):
         model_args["tokenizer"] = tokenizer
     command = [sys.executable, "-m", "lm_eval", "run", "--model", preset.model_type]
@@ -171,6 +180,8 @@ def lm_eval_command(
         command += ["--limit", str(effective_limit)]
     if task.metadata:
         command += ["--metadata", json.dumps(task.metadata)]
+    if task.gen_kwargs:
+        command += ["--gen_kwargs", ",".join(f"{k}={v}" for k, v in task.gen_kwargs.items())]
     if task.apply_chat_template:
         command.append("--apply_chat_template")
     return command
@@ -207,6 +218,116 @@ def scores_from_results(results_file: Path, task: AccuracyTask) -> list[Score]:
     return scores
 
 
+def first_error_line(log_path: Path) -> str:
+    """The first line of an lm-eval log that names an exception (the cause; the traceback's
+    last line is often a consequence, such as ``Session is closed``), else its last line."""
+    try:
+        lines = Path(log_path).read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    for line in lines:
+        if EXCEPTION_LINE.search(line):
+            return line.strip()
+    return next((line.strip() for line in reversed(lines) if line.strip()), "(empty log)")
+
+
+def run_lm_eval(command: list[str], log_path: Path, cwd: Path, label: str) -> int:
+    """Run lm-eval with its output in ``log_path``; forward its progress bars (throttled),
+    and while it prints none, a heartbeat with the seconds waited and the log's last line."""
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
+        )
+        assert process.stdout is not None
+        started = reported = time.monotonic()
+        pending = b""
+        last_line = ""
+        try:
+            while True:
+                ready, _, _ = select.select([process.stdout], [], [], 1.0)
+                bars: list[bytes] = []
+                if ready:
+                    chunk = process.stdout.read1(65536)
+                    if not chunk:
+                        break
+                    log.write(chunk)
+                    log.flush()
+                    # tqdm redraws with \r; each redraw is a line here.
+                    *lines, pending = (pending + chunk).replace(b"\r", b"\n").split(b"\n")
+                    bars = [line for line in lines if PROGRESS_BAR.search(line)]
+                    text_lines = [line.strip() for line in lines if line.strip()]
+                    if text_lines:
+                        last_line = text_lines[-1].decode(errors="replace")
+                now = time.monotonic()
+                if bars and (now - reported >= PROGRESS_EVERY_S or b"100%" in bars[-1]):
+                    reported = now
+                    progress(f"{label}: {bars[-1].decode(errors='replace').strip()[:150]}")
+                elif now - reported >= LM_EVAL_HEARTBEAT_S:
+                    reported = now
+                    progress(
+                        f"{label}: lm-eval running, {now - started:.0f} s so far; log:"
+                        f" {last_line[:150] or '(nothing yet)'}"
+                    )
+        except BaseException:
+            process.kill()
+            raise
+        finally:
+            process.wait()
+    return process.returncode
+
+
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def hub_offline() -> bool:
+    return any(
+        os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+        for name in OFFLINE_VARIABLES
+    )
+
+
+def hub_dataset_cached(repo_id: str) -> bool:
+    """Whether ``datasets`` can load ``repo_id`` offline: its hub snapshot or its processed
+    copy (``HF_DATASETS_CACHE``) is on disk."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        snapshot_download(repo_id, repo_type="dataset", local_files_only=True)
+        return True
+    except Exception:  # any failure means: not usable offline
+        pass
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))
+    processed = Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets"))
+    return (processed / repo_id.replace("/", "___")).is_dir()
+
+
+def check_accuracy_preset(preset: AccuracyPreset, served: ServedModel, base_url: str) -> None:
+    """Refuse a preset that cannot run here: missing local data, a context too long."""
+    missing = [path for path in preset.data_files if not path.exists()]
+    if missing:
+        raise EvalError(
+            f"accuracy preset {preset.name!r} reads local data that is not there:"
+            f" {', '.join(map(str, missing))} (see the preset's comment for how to get it)"
+        )
+    if hub_offline():
+        absent = [name for name in preset.hub_datasets if not hub_dataset_cached(name)]
+        if absent:
+            raise EvalError(
+                f"accuracy preset {preset.name!r} loads the hub dataset(s) {', '.join(absent)},"
+                " not in the local Hugging Face cache, and the hub is off (HF_HUB_OFFLINE or"
+                " HF_DATASETS_OFFLINE): fetch them once where the hub is reachable, e.g. `hf"
+                f" download {absent[0]} --repo-type dataset`, and copy the cache here"
+            )
+    if preset.min_model_len is not None:
+        require_model_len(
+            served, preset.min_model_len, f"accuracy preset {preset.name!r}", base_url
+        )
+
+
 def run_accuracy(
     preset: AccuracyPreset,
     base_url: str,
@@ -216,11 +337,14 @@ def run_accuracy(
     limit: int | None = None,
     baseline_path: Path | None = None,
     z: float = DEFAULT_Z,
+    request_timeout: float | None = None,
 ) -> dict[str, Any]:
-    """Run each task, rewrite ``out_dir/accuracy.json`` after each; compare at the end."""
+    """Check the server, run each task, rewrite ``out_dir/accuracy.json`` after each task;
+    compare with the baseline and the preset's references at the end."""
     require("lm_eval", "tenacity")
     baseline = load_baseline(baseline_path) if baseline_path is not None else None
     base_url = base_url.rstrip("/")
+    check_accuracy_preset(preset, check_server(base_url, model), base_url)
     summary_path = out_dir / "accuracy.json"
     summary: dict[str, Any] = {
         "preset": preset.name,
@@ -236,23 +360,24 @@ def run_accuracy(
         task_dir = out_dir / "lm_eval" / task.task
         task_dir.mkdir(parents=True, exist_ok=True)
         log_path = out_dir / "lm_eval" / f"{task.task}.log"
-        command = lm_eval_command(preset, task, base_url, model, task_dir, tokenizer, limit)
-        progress(f"accuracy {task.task}: lm-eval running, log {log_path}")
-        with log_path.open("wb") as log:
-            code = subprocess.call(
-                command,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=preset.include_path or out_dir,
-            )
+        command = lm_eval_command(
+            preset, task, base_url, model, task_dir, tokenizer, limit, request_timeout
+        )
+        label = f"accuracy {task.task}"
+        progress(f"{label}: lm-eval running, log {log_path}")
+        try:
+            code = run_lm_eval(command, log_path, out_dir, label)
+        except KeyboardInterrupt:
+            summary["interrupted"] = f"{label}: interrupted"
+            write_json(summary_path, summary)
+            raise
         results_file = newest_results_file(task_dir)
         if code != 0 or results_file is None:
             summary["error"] = f"lm-eval failed for task {task.task!r} (exit status {code})"
             write_json(summary_path, summary)
             raise EvalError(
-                f"lm-eval failed for task {task.task!r} (exit status {code}); last lines of"
-                f" {log_path}:\n{log_tail(log_path, LOG_TAIL_LINES)}\n"
+                f"lm-eval failed for task {task.task!r} (exit status {code}):"
+                f" {first_error_line(log_path)}\nlm-eval's log: {log_path}\n"
                 f"scores of the finished tasks are in {summary_path}"
             )
         scores = scores_from_results(results_file, task)
@@ -260,10 +385,10 @@ def run_accuracy(
         summary["lm_eval_results"][task.task] = str(results_file)
         write_json(summary_path, summary)
         for score in scores:
-            progress(f"accuracy {task.task} {score.metric}: {score.value:.4f}")
+            progress(f"{label} {score.metric}: {score.value:.4f}")
     summary["complete"] = True
+    scores = [Score(**entry) for entry in summary["scores"]]
     if baseline is not None:
-        scores = [Score(**entry) for entry in summary["scores"]]
         comparisons = compare_all(scores, baseline, z)
         summary["baseline"] = {
             "file": str(baseline_path),
@@ -272,5 +397,33 @@ def run_accuracy(
             "comparisons": [asdict(comparison) for comparison in comparisons],
             "scores": [asdict(score) for score in baseline],
         }
+    if preset.references:
+        summary["references"] = [asdict(check) for check in check_references(scores, preset)]
     write_json(summary_path, summary)
     return summary
+
+
+@dataclass(frozen=True)
+class ReferenceCheck:
+    task: str
+    metric: str
+    reference: float
+    tolerance: float
+    source: str
+    value: float | None
+    passed: bool
+
+
+def check_references(scores: list[Score], preset: AccuracyPreset) -> list[ReferenceCheck]:
+    """Each published reference against this run: ``|value - reference| <= tolerance``."""
+    by_key = {(score.task, score.metric): score.value for score in scores}
+    checks = []
+    for ref in preset.references:
+        value = by_key.get((ref.task, ref.metric))
+        passed = value is not None and abs(value - ref.score) <= ref.tolerance + 1e-12
+        checks.append(
+            ReferenceCheck(
+                ref.task, ref.metric, ref.score, ref.tolerance, ref.source, value, passed
+            )
+        )
+    return checks

@@ -70,6 +70,19 @@ class AccuracyTask:
     metadata: dict[str, Any] = field(default_factory=dict)
     model_args: dict[str, Any] = field(default_factory=dict)
     apply_chat_template: bool = False
+    # lm-eval's --gen_kwargs (e.g. max_gen_toks for a thinking model).
+    gen_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A published score the preset is compared against, and how close counts as a match."""
+
+    task: str
+    metric: str
+    score: float
+    tolerance: float
+    source: str
 
 
 @dataclass(frozen=True)
@@ -80,43 +93,172 @@ class AccuracyPreset:
     model_args: dict[str, Any]
     tasks: list[AccuracyTask]
     include_path: Path | None
+    # The context (prompt + generated tokens) the longest sample needs; checked against the
+    # server's max_model_len before lm-eval starts.
+    min_model_len: int | None = None
+    references: list[Reference] = field(default_factory=list)
+    # Local files the tasks read (``data_files`` below the preset): missing ones are named
+    # before any request.
+    data_files: list[Path] = field(default_factory=list)
+    # Hub datasets the tasks load (``openai/gsm8k``): with HF_HUB_OFFLINE or
+    # HF_DATASETS_OFFLINE set, one missing from the local cache is named before any request.
+    hub_datasets: list[str] = field(default_factory=list)
+
+
+class _Where:
+    """Builds messages that name the file and the key path: ``p.yaml: tasks[1].metrics: ...``."""
+
+    def __init__(self, path: Path, key: str = "") -> None:
+        self.path = path
+        self.key = key
+
+    def __truediv__(self, key: str | int) -> _Where:
+        if isinstance(key, int):
+            return _Where(self.path, f"{self.key}[{key}]")
+        return _Where(self.path, f"{self.key}.{key}" if self.key else key)
+
+    def error(self, message: str) -> EvalError:
+        return EvalError(
+            f"{self.path}: `{self.key}`: {message}" if self.key else f"{self.path}: {message}"
+        )
+
+
+def _known_keys(data: dict[str, Any], known: tuple[str, ...], where: _Where) -> None:
+    unknown = sorted(str(key) for key in data if key not in known)
+    if unknown:
+        raise where.error(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+
+
+def _positive_int(value: Any, where: _Where) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise where.error(f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _optional_int(value: Any, where: _Where, minimum: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise where.error(f"expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _mapping(value: Any, where: _Where) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise where.error(f"expected a mapping, got {type(value).__name__} {value!r}")
+    return dict(value)
+
+
+def _string(value: Any, where: _Where) -> str:
+    if not isinstance(value, str) or not value:
+        raise where.error(f"expected a non-empty string, got {value!r}")
+    return value
+
+
+def _number(value: Any, where: _Where) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise where.error(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _non_empty_list(value: Any, where: _Where) -> list[Any]:
+    if not isinstance(value, list) or not value:
+        raise where.error(f"expected a non-empty list, got {value!r}")
+    return value
+
+
+TASK_KEYS = (
+    "task", "metrics", "num_fewshot", "limit", "metadata", "model_args", "apply_chat_template",
+    "gen_kwargs",
+)  # fmt: skip
+ACCURACY_KEYS = (
+    "model_type", "model_args", "include_path", "tasks", "min_model_len", "references",
+    "data_files", "hub_datasets",
+)  # fmt: skip
+REFERENCE_KEYS = ("task", "metric", "score", "tolerance", "source")
+
+
+def _accuracy_task(entry: Any, where: _Where) -> AccuracyTask:
+    if not isinstance(entry, dict):
+        raise where.error(f"expected a mapping with `task` and `metrics`, got {entry!r}")
+    _known_keys(entry, TASK_KEYS, where)
+    metrics = _non_empty_list(entry.get("metrics"), where / "metrics")
+    chat = entry.get("apply_chat_template", False)
+    if not isinstance(chat, bool):
+        raise (where / "apply_chat_template").error(f"expected true or false, got {chat!r}")
+    return AccuracyTask(
+        task=_string(entry.get("task"), where / "task"),
+        metrics=[_string(metric, where / "metrics" / i) for i, metric in enumerate(metrics)],
+        num_fewshot=_optional_int(entry.get("num_fewshot"), where / "num_fewshot", 0),
+        limit=_optional_int(entry.get("limit"), where / "limit", 1),
+        metadata=_mapping(entry.get("metadata"), where / "metadata"),
+        model_args=_mapping(entry.get("model_args"), where / "model_args"),
+        apply_chat_template=chat,
+        gen_kwargs=_mapping(entry.get("gen_kwargs"), where / "gen_kwargs"),
+    )
+
+
+def _reference(entry: Any, where: _Where) -> Reference:
+    if not isinstance(entry, dict):
+        raise where.error(f"expected a mapping, got {entry!r}")
+    _known_keys(entry, REFERENCE_KEYS, where)
+    tolerance = _number(entry.get("tolerance"), where / "tolerance")
+    if tolerance < 0:
+        raise (where / "tolerance").error(f"expected a number >= 0, got {tolerance}")
+    return Reference(
+        task=_string(entry.get("task"), where / "task"),
+        metric=_string(entry.get("metric"), where / "metric"),
+        score=_number(entry.get("score"), where / "score"),
+        tolerance=tolerance,
+        source=_string(entry.get("source"), where / "source"),
+    )
 
 
 def load_accuracy_preset(name_or_path: str) -> AccuracyPreset:
     path = preset_path("accuracy", name_or_path)
     data = read_yaml_mapping(path, "preset file")
+    where = _Where(path)
+    _known_keys(data, ACCURACY_KEYS, where)
     model_type = data.get("model_type", "local-completions")
     if model_type not in LM_EVAL_MODEL_TYPES:
-        raise EvalError(f"{path}: model_type must be one of {', '.join(LM_EVAL_MODEL_TYPES)}")
-    raw_tasks = data.get("tasks")
-    if not isinstance(raw_tasks, list) or not raw_tasks:
-        raise EvalError(f"{path}: `tasks` must be a non-empty list")
-    tasks = []
-    for entry in raw_tasks:
-        if not isinstance(entry, dict) or "task" not in entry or "metrics" not in entry:
-            raise EvalError(f"{path}: each task needs `task` and `metrics`, got {entry!r}")
-        tasks.append(
-            AccuracyTask(
-                task=str(entry["task"]),
-                metrics=[str(metric) for metric in entry["metrics"]],
-                num_fewshot=entry.get("num_fewshot"),
-                limit=entry.get("limit"),
-                metadata=dict(entry.get("metadata") or {}),
-                model_args=dict(entry.get("model_args") or {}),
-                apply_chat_template=bool(entry.get("apply_chat_template", False)),
-            )
-        )
+        raise (where / "model_type").error(f"must be one of {', '.join(LM_EVAL_MODEL_TYPES)}")
+    raw_tasks = _non_empty_list(data.get("tasks"), where / "tasks")
+    tasks = [_accuracy_task(entry, where / "tasks" / i) for i, entry in enumerate(raw_tasks)]
     include = data.get("include_path")
-    include_path = (path.parent / include).resolve() if include else None
+    include_path = (
+        (path.parent / _string(include, where / "include_path")).resolve() if include else None
+    )
     if include_path is not None and not include_path.is_dir():
-        raise EvalError(f"{path}: include_path {include_path} is not a directory")
+        raise (where / "include_path").error(f"{include_path} is not a directory")
+    raw_references = data.get("references") or []
+    if not isinstance(raw_references, list):
+        raise (where / "references").error(f"expected a list, got {raw_references!r}")
+    raw_hub = data.get("hub_datasets") or []
+    if not isinstance(raw_hub, list):
+        raise (where / "hub_datasets").error(f"expected a list, got {raw_hub!r}")
+    raw_files = data.get("data_files") or []
+    if not isinstance(raw_files, list):
+        raise (where / "data_files").error(f"expected a list, got {raw_files!r}")
     return AccuracyPreset(
         name=path.stem,
         path=path,
         model_type=model_type,
-        model_args=dict(data.get("model_args") or {}),
+        model_args=_mapping(data.get("model_args"), where / "model_args"),
         tasks=tasks,
         include_path=include_path,
+        min_model_len=_optional_int(data.get("min_model_len"), where / "min_model_len", 1),
+        references=[
+            _reference(entry, where / "references" / i) for i, entry in enumerate(raw_references)
+        ],
+        data_files=[
+            (path.parent / _string(entry, where / "data_files" / i)).resolve()
+            for i, entry in enumerate(raw_files)
+        ],
+        hub_datasets=[
+            _string(entry, where / "hub_datasets" / i) for i, entry in enumerate(raw_hub)
+        ],
     )
 
 
@@ -135,6 +277,10 @@ class ThroughputScenario:
     concurrency: list[int]
     num_requests: int
 
+    @property
+    def fixed_shape(self) -> bool:
+        return len(set(self.shapes)) == 1
+
 
 @dataclass(frozen=True)
 class ThroughputPreset:
@@ -143,42 +289,55 @@ class ThroughputPreset:
     scenarios: list[ThroughputScenario]
     seed: int = 0
 
+    def longest_request(self) -> tuple[ThroughputScenario, RequestShape]:
+        """The scenario and shape with the most tokens (prompt + output) in one request."""
+        return max(
+            ((scenario, shape) for scenario in self.scenarios for shape in scenario.shapes),
+            key=lambda pair: pair[1].input_tokens + pair[1].output_tokens,
+        )
 
-def _positive_int(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise EvalError(f"{where}: expected a positive integer, got {value!r}")
-    return value
+
+SCENARIO_KEYS = ("name", "shapes", "concurrency", "num_requests")
+SHAPE_KEYS = ("input_tokens", "output_tokens")
+
+
+def _shape(entry: Any, where: _Where) -> RequestShape:
+    if not isinstance(entry, dict):
+        raise where.error(f"expected a mapping with input_tokens and output_tokens, got {entry!r}")
+    _known_keys(entry, SHAPE_KEYS, where)
+    return RequestShape(
+        _positive_int(entry.get("input_tokens"), where / "input_tokens"),
+        _positive_int(entry.get("output_tokens"), where / "output_tokens"),
+    )
+
+
+def _scenario(entry: Any, where: _Where) -> ThroughputScenario:
+    if not isinstance(entry, dict):
+        raise where.error(f"expected a mapping with {', '.join(SCENARIO_KEYS)}, got {entry!r}")
+    _known_keys(entry, SCENARIO_KEYS, where)
+    shapes = _non_empty_list(entry.get("shapes"), where / "shapes")
+    concurrency = _non_empty_list(entry.get("concurrency"), where / "concurrency")
+    return ThroughputScenario(
+        name=_string(entry.get("name"), where / "name"),
+        shapes=[_shape(shape, where / "shapes" / i) for i, shape in enumerate(shapes)],
+        concurrency=[
+            _positive_int(c, where / "concurrency" / i) for i, c in enumerate(concurrency)
+        ],
+        num_requests=_positive_int(entry.get("num_requests"), where / "num_requests"),
+    )
 
 
 def load_throughput_preset(name_or_path: str) -> ThroughputPreset:
     path = preset_path("throughput", name_or_path)
     data = read_yaml_mapping(path, "preset file")
-    raw = data.get("scenarios")
-    if not isinstance(raw, list) or not raw:
-        raise EvalError(f"{path}: `scenarios` must be a non-empty list")
-    scenarios = []
-    for entry in raw:
-        where = f"{path}: scenario {entry.get('name', '?') if isinstance(entry, dict) else '?'}"
-        if not isinstance(entry, dict) or not isinstance(entry.get("shapes"), list):
-            raise EvalError(f"{where}: needs `name`, `shapes`, `concurrency`, `num_requests`")
-        shapes = [
-            RequestShape(
-                _positive_int(shape.get("input_tokens"), f"{where} input_tokens"),
-                _positive_int(shape.get("output_tokens"), f"{where} output_tokens"),
-            )
-            for shape in entry["shapes"]
-        ]
-        concurrency = entry.get("concurrency")
-        if not isinstance(concurrency, list) or not concurrency:
-            raise EvalError(f"{where}: `concurrency` must be a non-empty list")
-        scenarios.append(
-            ThroughputScenario(
-                name=str(entry["name"]),
-                shapes=shapes,
-                concurrency=[_positive_int(c, f"{where} concurrency") for c in concurrency],
-                num_requests=_positive_int(entry.get("num_requests"), f"{where} num_requests"),
-            )
-        )
-    return ThroughputPreset(
-        name=path.stem, path=path, scenarios=scenarios, seed=int(data.get("seed", 0))
-    )
+    where = _Where(path)
+    _known_keys(data, ("seed", "scenarios"), where)
+    raw = _non_empty_list(data.get("scenarios"), where / "scenarios")
+    scenarios = [_scenario(entry, where / "scenarios" / i) for i, entry in enumerate(raw)]
+    names = [scenario.name for scenario in scenarios]
+    if len(set(names)) != len(names):
+        raise (where / "scenarios").error(f"scenario names must differ, got {names}")
+    seed = data.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise (where / "seed").error(f"expected an integer, got {seed!r}")
+    return ThroughputPreset(name=path.stem, path=path, scenarios=scenarios, seed=seed)

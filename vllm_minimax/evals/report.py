@@ -6,7 +6,10 @@ directory, and what a report says is what the files say.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +72,25 @@ def accuracy_markdown(summary: dict[str, Any]) -> str:
         lines += comparison_table(
             comparisons, summary["scores"], baseline["scores"], ("baseline", "this run")
         )
+    references = summary.get("references")
+    if references:
+        lines += ["", "## Against published references", ""]
+        lines += ["A score matches when |value - reference| <= the preset's tolerance.", ""]
+        lines += [
+            "| task | metric | reference | tolerance | this run | result | source |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for ref in references:
+            result = "MATCH" if ref["passed"] else "DIFFERS"
+            lines.append(
+                f"| {ref['task']} | `{ref['metric']}` | {ref['reference']:.4f}"
+                f" | {ref['tolerance']:.4f} | {_number(ref['value'])} | {result}"
+                f" | {ref['source']} |"
+            )
+    if summary.get("error"):
+        lines += ["", f"**Stopped early:** {summary['error']}"]
+    if summary.get("interrupted"):
+        lines += ["", f"**Interrupted:** {summary['interrupted']}"]
     return "\n".join(lines) + "\n"
 
 
@@ -76,46 +98,180 @@ def _ms(summary: dict[str, float], key: str) -> str:
     return _number(summary.get(key), 1)
 
 
+@dataclass(frozen=True)
+class Spread:
+    """The median of a level's rounds and their range."""
+
+    median: float
+    low: float
+    high: float
+    rounds: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread | None:
+        finite = [value for value in values if value is not None and math.isfinite(value)]
+        if not finite:
+            return None
+        return cls(statistics.median(finite), min(finite), max(finite), len(finite))
+
+    def text(self, digits: int = 1, suffix: str = "") -> str:
+        median = f"{self.median:.{digits}f}{suffix}"
+        if self.rounds == 1:
+            return median
+        return f"{median} ({self.low:.{digits}f}..{self.high:.{digits}f})"
+
+
+METRICS: dict[str, Callable[[dict[str, Any]], float | None]] = {
+    "tok/s": lambda level: level["output_tokens_per_s"],
+    "TTFT p50 ms": lambda level: level["ttft_ms"].get("p50"),
+    "TPOT p50 ms": lambda level: level["tpot_ms"].get("p50"),
+    "ITL p50 ms": lambda level: level["itl_ms"].get("p50"),
+}
+
+
+def levels_by_concurrency(scenario: dict[str, Any] | None) -> dict[int, list[dict[str, Any]]]:
+    """A scenario's level records grouped by concurrency (one per round), in sweep order."""
+    grouped: dict[int, list[dict[str, Any]]] = {}
+    for level in (scenario or {}).get("levels", []):
+        grouped.setdefault(level["concurrency"], []).append(level)
+    return grouped
+
+
+def metric_spread(levels: Sequence[dict[str, Any]], metric: str) -> Spread | None:
+    return Spread.of([METRICS[metric](level) for level in levels])
+
+
+def bunched(levels: Sequence[dict[str, Any]]) -> bool:
+    """Streamed chunks arriving in bursts: the median ITL is (near) 0 while TPOT is not."""
+    itl = metric_spread(levels, "ITL p50 ms")
+    tpot = metric_spread(levels, "TPOT p50 ms")
+    return itl is not None and tpot is not None and itl.median <= 0.01 * tpot.median
+
+
+BUNCHED_NOTE = (
+    "median ITL p50 is about 0 ms: tokens arrive several per streamed chunk (in bursts), so"
+    " the ITL percentiles say little here; TPOT is the per-token figure"
+)
+
+
+def _shapes_text(scenario: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{s['input_tokens']} in / {s['output_tokens']} out" for s in scenario["shapes"]
+    )
+
+
 def throughput_markdown(results: dict[str, Any], title: str | None = None) -> str:
+    rounds = results.get("repeat", 1)
     lines = [title or f"# Throughput: preset `{results['preset']}`", ""]
     lines += [f"Server `{results['base_url']}`, model `{results['model']}`.", ""]
-    for scenario in results["scenarios"]:
-        shapes = ", ".join(
-            f"{s['input_tokens']} in / {s['output_tokens']} out" for s in scenario["shapes"]
-        )
-        lines += [f"## {scenario['name']} ({shapes}; {scenario['num_requests']} requests)", ""]
+    if rounds > 1:
         lines += [
-            "| concurrency | output tok/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms"
-            " | ITL p50 / p99 ms |",
-            "|---|---|---|---|---|",
+            f"{rounds} rounds per level: each cell is the median of the rounds, (min..max).",
+            "",
         ]
-        for level in scenario["levels"]:
-            ttft, tpot, itl = level["ttft_ms"], level["tpot_ms"], level["itl_ms"]
-            lines.append(
-                f"| {level['concurrency']} | {level['output_tokens_per_s']:.1f}"
-                f" | {_ms(ttft, 'p50')} / {_ms(ttft, 'p90')} / {_ms(ttft, 'p99')}"
-                f" | {_ms(tpot, 'p50')} / {_ms(tpot, 'p90')} / {_ms(tpot, 'p99')}"
-                f" | {_ms(itl, 'p50')} / {_ms(itl, 'p99')} |"
-            )
+    for scenario in results["scenarios"]:
+        lines += [
+            f"## {scenario['name']} ({_shapes_text(scenario)}; {scenario['num_requests']}"
+            " requests)",
+            "",
+        ]
+        lines += [
+            "| concurrency | rounds | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p50 ms"
+            " | TTFT p99 ms | TPOT p99 ms |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        notes = []
+        for concurrency, levels in levels_by_concurrency(scenario).items():
+            cells = [_spread_text(metric_spread(levels, metric)) for metric in METRICS]
+            p99 = [
+                _spread_text(Spread.of([level[key].get("p99") for level in levels]))
+                for key in ("ttft_ms", "tpot_ms")
+            ]
+            lines.append(f"| {concurrency} | {len(levels)} | {' | '.join(cells + p99)} |")
+            if bunched(levels):
+                notes.append(f"concurrency {concurrency}: {BUNCHED_NOTE}")
         lines.append("")
+        lines += [f"Note, {note}." for note in notes]
+        if notes:
+            lines.append("")
     if results.get("error"):
         lines += [f"**Stopped early:** {results['error']}", ""]
+    if results.get("interrupted"):
+        lines += [f"**Interrupted:** {results['interrupted']}", ""]
     return "\n".join(lines)
+
+
+def _spread_text(spread: Spread | None, digits: int = 1, suffix: str = "") -> str:
+    return "-" if spread is None else spread.text(digits, suffix)
+
+
+def paired_ratios(
+    arm: dict[str, Any], reference: dict[str, Any], scenario: int, concurrency: int
+) -> Spread | None:
+    """Per round, the arm's tok/s over the reference's in the same round."""
+
+    def by_round(record: dict[str, Any]) -> dict[int, float]:
+        levels = levels_by_concurrency(_scenario(record, scenario)).get(concurrency, [])
+        return {level.get("round", 0): level["output_tokens_per_s"] for level in levels}
+
+    mine, theirs = by_round(arm), by_round(reference)
+    return Spread.of([mine[r] / theirs[r] for r in mine if theirs.get(r)])
+
+
+def _scenario(arm: dict[str, Any], index: int) -> dict[str, Any] | None:
+    scenarios = (arm.get("throughput") or {}).get("scenarios", [])
+    return scenarios[index] if index < len(scenarios) else None
+
+
+def missing_levels(ab: dict[str, Any]) -> list[str]:
+    """Levels the plan has (scenario x concurrency x round, per arm) that no record holds."""
+    plan = ab.get("throughput_plan") or []
+    missing = []
+    for arm in ab["arms"]:
+        for index, planned in enumerate(plan):
+            have = {
+                (level["concurrency"], level.get("round", 0))
+                for level in (_scenario(arm, index) or {}).get("levels", [])
+            }
+            lacking = [
+                f"c={concurrency} round {r + 1}"
+                for r in range(ab.get("repeat", 1))
+                for concurrency in planned["concurrency"]
+                if (concurrency, r) not in have
+            ]
+            if lacking:
+                missing.append(f"`{arm['name']}` {planned['name']}: {', '.join(lacking)}")
+    return missing
 
 
 def ab_markdown(ab: dict[str, Any], plots: list[Path]) -> str:
     """Side by side: accuracy of each arm against the first, then speed per scenario."""
     arms = [arm["name"] for arm in ab["arms"]]
     reference = arms[0]
+    repeat = ab.get("repeat", 1)
     lines = [f"# A/B: {' vs '.join(f'`{name}`' for name in arms)}", ""]
     lines += [f"Model `{ab['model']}`, serve config `{ab['config']}`.", ""]
-    lines += ["| arm | server arguments | start-up s |", "|---|---|---|"]
+    if ab.get("interrupted"):
+        lines += [f"**Interrupted:** {ab['interrupted']}.", ""]
     for arm in ab["arms"]:
-        startup = arm.get("startup_seconds")
-        lines.append(f"| `{arm['name']}` | `{arm['server_args']}` | {_number(startup, 0)} |")
+        if arm.get("error"):
+            lines += [f"**Arm `{arm['name']}` stopped early:** {arm['error']}", ""]
+    missing = missing_levels(ab)
+    if missing and not ab.get("complete"):
+        lines += ["**Not measured:** " + "; ".join(missing) + ".", ""]
+    lines += [f"{repeat} round(s); each round starts each arm's server anew, in the order shown."]
+    lines += ["", "| arm | server arguments | start-up s (per round) |", "|---|---|---|"]
+    for arm in ab["arms"]:
+        startups = [_number(r.get("startup_seconds"), 0) for r in arm.get("rounds", [])]
+        lines.append(f"| `{arm['name']}` | `{arm['server_args']}` | {', '.join(startups) or '-'} |")
     lines.append("")
+    if ab.get("round_order"):
+        orders = [" then ".join(order) for order in ab["round_order"]]
+        lines += ["Round order: " + "; ".join(
+            f"{i + 1}: {order}" for i, order in enumerate(orders)
+        ) + ".", ""]  # fmt: skip
     if ab.get("accuracy_comparisons"):
-        lines += [f"## Accuracy (each arm against `{reference}`)", ""]
+        lines += [f"## Accuracy (each arm against `{reference}`, first round only)", ""]
         lines += [
             f"A score passes when |difference| <= {ab['z']} x sqrt(stderr_a^2 + stderr_b^2).",
             "",
@@ -128,64 +284,65 @@ def ab_markdown(ab: dict[str, Any], plots: list[Path]) -> str:
                 comparisons, scores[name], scores[reference], (reference, name)
             )
             lines.append("")
-    throughput = {arm["name"]: arm.get("throughput") for arm in ab["arms"]}
-    first = throughput.get(reference)
-    if first:
-        lines += ["## Throughput", ""]
-        for index, scenario in enumerate(first["scenarios"]):
-            lines += [f"### {scenario['name']}", ""]
-            header = "| concurrency |"
-            rule = "|---|"
-            for name in arms:
-                header += f" {name} tok/s | {name} TTFT p50 ms | {name} TPOT p50 ms |"
-                rule += "---|---|---|"
-            for name in arms[1:]:
-                header += f" {name} / {reference} tok/s |"
-                rule += "---|"
-            lines += [header, rule]
-            for level_index, level in enumerate(scenario["levels"]):
-                row = f"| {level['concurrency']} |"
-                speeds = {}
-                for name in arms:
-                    other = _level(throughput.get(name), index, level_index)
-                    if other is None:
-                        row += " - | - | - |"
-                        continue
-                    speeds[name] = other["output_tokens_per_s"]
-                    row += (
-                        f" {other['output_tokens_per_s']:.1f} | {_ms(other['ttft_ms'], 'p50')}"
-                        f" | {_ms(other['tpot_ms'], 'p50')} |"
-                    )
-                for name in arms[1:]:
-                    both = name in speeds and speeds.get(reference)
-                    ratio = speeds[name] / speeds[reference] if both else None
-                    row += f" {_number(ratio, 2)}x |" if ratio is not None else " - |"
-                lines.append(row)
-            lines.append("")
+    lines += _ab_throughput(ab, repeat)
     if plots:
         lines += ["## Plots", ""]
         lines += [f"![{plot.stem}]({plot.name})" for plot in plots]
         lines.append("")
-    for arm in ab["arms"]:
-        if arm.get("error"):
-            lines += [f"**Arm `{arm['name']}` stopped early:** {arm['error']}", ""]
     return "\n".join(lines)
 
 
-def _level(results: dict | None, scenario: int, level: int) -> dict | None:
-    try:
-        return results["scenarios"][scenario]["levels"][level] if results else None
-    except (IndexError, KeyError):
-        return None
-
-
-def _levels(arm: dict[str, Any], scenario: int) -> list[dict[str, Any]]:
-    scenarios = arm["throughput"]["scenarios"]
-    return scenarios[scenario]["levels"] if scenario < len(scenarios) else []
+def _ab_throughput(ab: dict[str, Any], repeat: int) -> list[str]:
+    records = ab["arms"]
+    reference = records[0]
+    plan = ab.get("throughput_plan") or []
+    if not plan or not any(record.get("throughput") for record in records):
+        return []
+    lines = ["## Throughput", ""]
+    lines += [
+        "Each cell: the median over the rounds, (min..max). The ratio is per round (the arm's"
+        f" tok/s over `{reference['name']}`'s in the same round), median (min..max)."
+        if repeat > 1
+        else "One round: no spread (run with --repeat 3 for one).",
+        "",
+    ]
+    for index, planned in enumerate(plan):
+        lines += [f"### {planned['name']} ({_shapes_text(planned)})", ""]
+        header = "| concurrency |"
+        rule = "|---|"
+        for record in records:
+            for metric in ("tok/s", "TTFT p50 ms", "TPOT p50 ms"):
+                header += f" {record['name']} {metric} |"
+                rule += "---|"
+        for record in records[1:]:
+            header += f" {record['name']} / {reference['name']} tok/s |"
+            rule += "---|"
+        lines += [header, rule]
+        notes = []
+        for concurrency in planned["concurrency"]:
+            row = f"| {concurrency} |"
+            for record in records:
+                levels = levels_by_concurrency(_scenario(record, index)).get(concurrency, [])
+                for metric in ("tok/s", "TTFT p50 ms", "TPOT p50 ms"):
+                    row += f" {_spread_text(metric_spread(levels, metric))} |"
+                if levels and bunched(levels):
+                    notes.append(f"`{record['name']}` concurrency {concurrency}: {BUNCHED_NOTE}")
+            for record in records[1:]:
+                ratio = paired_ratios(record, reference, index, concurrency)
+                row += f" {_spread_text(ratio, 2, 'x')} |"
+            lines.append(row)
+        lines.append("")
+        lines += [f"Note, {note}." for note in notes]
+        if notes:
+            lines.append("")
+    return lines
 
 
 def ab_plots(ab: dict[str, Any], out_dir: Path) -> list[Path]:
-    """One PNG per throughput scenario (tok/s, TTFT, TPOT against concurrency), one for accuracy."""
+    """One PNG per throughput scenario (tok/s, TTFT, TPOT against concurrency: the median of
+    the rounds, bars from min to max, y from 0), one for accuracy unless every score is 0."""
+    if not any(arm.get("throughput") or arm.get("accuracy") for arm in ab["arms"]):
+        return []  # nothing to draw yet (and matplotlib's import takes a while)
     require("matplotlib")
     import matplotlib
 
@@ -194,41 +351,51 @@ def ab_plots(ab: dict[str, Any], out_dir: Path) -> list[Path]:
 
     written: list[Path] = []
     arms = [arm for arm in ab["arms"] if arm.get("throughput")]
-    if arms:
-        for index, scenario in enumerate(arms[0]["throughput"]["scenarios"]):
-            figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-            panels = (
-                ("output tokens/s", lambda level: level["output_tokens_per_s"]),
-                ("TTFT p50 (ms)", lambda level: level["ttft_ms"].get("p50")),
-                ("TPOT p50 (ms)", lambda level: level["tpot_ms"].get("p50")),
-            )
-            for axis, (label, pick) in zip(axes, panels, strict=True):
-                for arm in arms:
-                    levels = _levels(arm, index)
-                    axis.plot(
-                        [level["concurrency"] for level in levels],
-                        [pick(level) for level in levels],
-                        marker="o",
-                        label=arm["name"],
-                    )
-                concurrencies = sorted(
-                    {level["concurrency"] for arm in arms for level in _levels(arm, index)}
+    for index, planned in enumerate(ab.get("throughput_plan") or [] if arms else []):
+        figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+        for axis, metric in zip(axes, ("tok/s", "TTFT p50 ms", "TPOT p50 ms"), strict=True):
+            for arm in arms:
+                points = [
+                    (concurrency, spread)
+                    for concurrency, levels in levels_by_concurrency(_scenario(arm, index)).items()
+                    if (spread := metric_spread(levels, metric)) is not None
+                ]
+                if not points:
+                    continue
+                axis.errorbar(
+                    [c for c, _ in points],
+                    [s.median for _, s in points],
+                    yerr=[
+                        [s.median - s.low for _, s in points],
+                        [s.high - s.median for _, s in points],
+                    ],
+                    marker="o",
+                    capsize=4,
+                    label=arm["name"],
                 )
-                axis.set_xscale("log", base=2)
-                axis.set_xticks(concurrencies, [str(c) for c in concurrencies])
-                axis.minorticks_off()
-                axis.set_xlabel("concurrency")
-                axis.set_title(label)
-                axis.grid(alpha=0.3)
-            axes[0].legend()
-            figure.suptitle(f"{scenario['name']}")
-            figure.tight_layout()
-            path = out_dir / f"throughput-{scenario['name']}.png"
-            figure.savefig(path, dpi=110)
-            plt.close(figure)
-            written.append(path)
+            concurrencies = planned["concurrency"]
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(sorted(concurrencies), [str(c) for c in sorted(concurrencies)])
+            axis.minorticks_off()
+            axis.set_ylim(bottom=0)
+            axis.set_xlabel("concurrency")
+            axis.set_title(metric)
+            axis.grid(alpha=0.3)
+        axes[0].legend()
+        rounds = ab.get("repeat", 1)
+        figure.suptitle(
+            f"{planned['name']}: median of {rounds} round(s), bars min..max"
+            if rounds > 1
+            else planned["name"]
+        )
+        figure.tight_layout()
+        path = out_dir / f"throughput-{planned['name']}.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        written.append(path)
     scored = [arm for arm in ab["arms"] if arm.get("accuracy", {}).get("scores")]
-    if scored:
+    values_seen = [s["value"] for arm in scored for s in arm["accuracy"]["scores"]]
+    if scored and any(value != 0 for value in values_seen):
         keys = [(s["task"], s["metric"]) for s in scored[0]["accuracy"]["scores"]]
         figure, axis = plt.subplots(figsize=(max(5, 1.6 * len(keys) * len(scored)), 3.8))
         width = 0.8 / len(scored)
@@ -240,6 +407,7 @@ def ab_plots(ab: dict[str, Any], out_dir: Path) -> list[Path]:
             axis.bar(positions, values, width, yerr=errors, capsize=4, label=arm["name"])
         axis.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))])
         axis.set_xticklabels([f"{task}\n{metric}" for task, metric in keys], fontsize=8)
+        axis.set_ylim(bottom=0)
         axis.set_ylabel("score (error bar: 1.96 x stderr)")
         axis.legend()
         figure.tight_layout()

@@ -13,8 +13,13 @@ Per concurrency level: output tokens/s is all output tokens over the wall time o
 Before its first level each scenario sends one unrecorded request per shape (prompts of their
 own), so JIT compilation and first-use allocations for those shapes land outside the numbers.
 
+Before any request the server is checked: ``/health`` answers, ``/v1/models`` lists the
+model, and the preset's longest request fits the model's ``max_model_len``.
+
 Any failed request stops the run: numbers with failures in them are not comparable. The
 results file is rewritten after every level, so what finished is on disk either way.
+``--repeat N`` runs the whole sweep N times (each level's record names its round); reports
+give the median of the rounds and their min..max.
 """
 
 from __future__ import annotations
@@ -30,9 +35,12 @@ from typing import Any
 
 from vllm_minimax.evals.common import EvalError, progress, require, write_json
 from vllm_minimax.evals.presets import RequestShape, ThroughputPreset, ThroughputScenario
+from vllm_minimax.evals.server import ServedModel, check_server, require_model_len
 
 PERCENTILES = (50, 90, 99)
-REQUEST_TIMEOUT_S = 3600.0
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 30.0
+DEFAULT_REQUEST_TIMEOUT_S = 1800.0
+LEVEL_HEARTBEAT_S = 30.0
 
 
 class RequestFailed(EvalError):
@@ -62,7 +70,8 @@ class Vocabulary:
         try:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         except (OSError, ValueError) as error:
-            raise EvalError(f"cannot load tokenizer {name_or_path!r}: {error}") from None
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            raise EvalError(f"cannot load tokenizer {name_or_path!r}: {reason}") from None
         return cls(len(tokenizer), frozenset(tokenizer.all_special_ids))
 
     def random_prompt(self, rng: random.Random, length: int) -> list[int]:
@@ -118,8 +127,23 @@ def level_metrics(timings: list[RequestTiming], duration_s: float) -> dict[str, 
     }
 
 
+@dataclass(frozen=True)
+class RequestTimeouts:
+    """Per request: seconds until the response headers (vLLM sends them before the first token
+    is computed, so this catches a server that accepts connections and never answers), and
+    seconds for the whole streamed response."""
+
+    first_byte_s: float = DEFAULT_FIRST_BYTE_TIMEOUT_S
+    total_s: float = DEFAULT_REQUEST_TIMEOUT_S
+
+
 async def send_request(
-    session: Any, url: str, model: str, prompt: list[int], shape: RequestShape
+    session: Any,
+    url: str,
+    model: str,
+    prompt: list[int],
+    shape: RequestShape,
+    timeouts: RequestTimeouts,
 ) -> RequestTiming:
     import aiohttp
 
@@ -139,7 +163,15 @@ async def send_request(
     gaps: list[float] = []
     output_tokens = 0
     try:
-        async with session.post(url, json=payload) as response:
+        try:
+            async with asyncio.timeout(timeouts.first_byte_s):
+                response = await session.post(url, json=payload)
+        except TimeoutError:
+            raise RequestFailed(
+                f"{url} sent no response within {timeouts.first_byte_s:g} s"
+                " (--first-byte-timeout); the server accepts connections but does not answer"
+            ) from None
+        try:
             if response.status != 200:
                 body = (await response.text())[:500]
                 raise RequestFailed(f"{url} answered HTTP {response.status}: {body}")
@@ -163,7 +195,14 @@ async def send_request(
                 else:
                     gaps.append(now - last)
                 last = now
-    except (aiohttp.ClientError, TimeoutError) as error:
+        finally:
+            response.release()
+    except TimeoutError:
+        raise RequestFailed(
+            f"a {shape.input_tokens}-in/{shape.output_tokens}-out request to {url} took over"
+            f" {timeouts.total_s:g} s (--request-timeout)"
+        ) from None
+    except aiohttp.ClientError as error:
         raise RequestFailed(
             f"request to {url} failed ({type(error).__name__}: {error}); is the server up?"
         ) from None
@@ -179,31 +218,39 @@ async def run_level(
     prompts: list[tuple[list[int], RequestShape]],
     concurrency: int,
     label: str,
+    timeouts: RequestTimeouts,
 ) -> tuple[list[RequestTiming], float]:
-    """Send every prompt, at most ``concurrency`` in flight; stop at the first failure."""
+    """Send every prompt, at most ``concurrency`` in flight; stop at the first failure.
+
+    A level that runs longer than a heartbeat says how far it got, every heartbeat."""
     import aiohttp
 
     url = f"{base_url}/v1/completions"
     limit = asyncio.Semaphore(concurrency)
     timings: list[RequestTiming] = []
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    timeout = aiohttp.ClientTimeout(total=timeouts.total_s)
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
 
         async def one(prompt: list[int], shape: RequestShape) -> None:
             async with limit:
-                timings.append(await send_request(session, url, model, prompt, shape))
-                if len(timings) % max(1, len(prompts) // 4) == 0 or len(timings) == len(prompts):
-                    progress(f"{label}: {len(timings)}/{len(prompts)} requests")
+                timings.append(await send_request(session, url, model, prompt, shape, timeouts))
+
+        async def heartbeat() -> None:
+            while True:
+                await asyncio.sleep(LEVEL_HEARTBEAT_S)
+                waited = time.perf_counter() - started
+                progress(f"{label}: {len(timings)}/{len(prompts)} requests, {waited:.0f} s")
 
         started = time.perf_counter()
         tasks = [asyncio.create_task(one(prompt, shape)) for prompt, shape in prompts]
+        beat = asyncio.create_task(heartbeat())
         try:
             await asyncio.gather(*tasks)
         finally:
-            for task in tasks:
+            for task in [*tasks, beat]:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, beat, return_exceptions=True)
         return timings, time.perf_counter() - started
 
 
@@ -215,6 +262,18 @@ def scenario_prompts(
     return [(vocabulary.random_prompt(rng, shape.input_tokens), shape) for shape in shapes]
 
 
+def check_fits(preset: ThroughputPreset, served: ServedModel, base_url: str) -> None:
+    """Refuse a preset whose longest request does not fit the server's ``max_model_len``."""
+    scenario, shape = preset.longest_request()
+    require_model_len(
+        served,
+        shape.input_tokens + shape.output_tokens,
+        f"throughput preset {preset.name!r} (scenario {scenario.name}:"
+        f" {shape.input_tokens} in + {shape.output_tokens} out)",
+        base_url,
+    )
+
+
 def run_throughput(
     preset: ThroughputPreset,
     base_url: str,
@@ -222,20 +281,37 @@ def run_throughput(
     out_path: Path,
     vocabulary: Vocabulary,
     on_level_done: Any = None,
+    repeat: int = 1,
+    timeouts: RequestTimeouts | None = None,
+    round_index: int = 0,
 ) -> dict[str, Any]:
-    """Run every scenario at every concurrency; rewrite ``out_path`` after each level.
+    """Run every scenario at every concurrency, ``repeat`` rounds; rewrite ``out_path`` after
+    each level. Each level's record carries its round (``round_index`` is the first one's).
 
-    ``on_level_done`` (optional, no arguments) runs after each level; ``eval ab`` uses it to
-    check that its server is still alive."""
+    The server is checked first (``/health``, ``/v1/models``, the preset against its
+    ``max_model_len``). ``on_level_done`` (optional, no arguments) runs after each level;
+    ``eval ab`` uses it to check that its server is still alive."""
     require("aiohttp")
+    timeouts = timeouts or RequestTimeouts()
     base_url = base_url.rstrip("/")
+    check_fits(preset, check_server(base_url, model), base_url)
     results: dict[str, Any] = {
         "preset": preset.name,
         "preset_file": str(preset.path),
         "base_url": base_url,
         "model": model,
+        "repeat": repeat,
         "complete": False,
-        "scenarios": [],
+        "scenarios": [
+            {
+                "name": scenario.name,
+                "shapes": [asdict(shape) for shape in scenario.shapes],
+                "num_requests": scenario.num_requests,
+                "warmup_requests": len(scenario.shapes),
+                "levels": [],
+            }
+            for scenario in preset.scenarios
+        ],
     }
     write_json(out_path, results)
 
@@ -244,40 +320,43 @@ def run_throughput(
     ) -> tuple[list[RequestTiming], float]:
         """One level (or warm-up); a failed request is recorded in ``out_path``, then raised."""
         try:
-            return asyncio.run(run_level(base_url, model, prompts, concurrency, label))
+            return asyncio.run(run_level(base_url, model, prompts, concurrency, label, timeouts))
         except RequestFailed as error:
             results["error"] = f"{label}: {error}"
             write_json(out_path, results)
             raise EvalError(
                 f"{label}: {error}\nresults of the finished levels are in {out_path}"
             ) from None
-
-    for scenario in preset.scenarios:
-        prompts = scenario_prompts(scenario, vocabulary, preset.seed)
-        record: dict[str, Any] = {
-            "name": scenario.name,
-            "shapes": [asdict(shape) for shape in scenario.shapes],
-            "num_requests": scenario.num_requests,
-            "warmup_requests": len(scenario.shapes),
-            "levels": [],
-        }
-        results["scenarios"].append(record)
-        warmup = warmup_prompts(scenario, vocabulary, preset.seed)
-        send(warmup, len(warmup), f"throughput {scenario.name} warm-up")
-        for concurrency in scenario.concurrency:
-            label = f"throughput {scenario.name} concurrency {concurrency}"
-            progress(f"{label}: {len(prompts)} requests")
-            timings, duration = send(prompts, concurrency, label)
-            metrics = level_metrics(timings, duration)
-            record["levels"].append({"concurrency": concurrency, **metrics})
+        except KeyboardInterrupt:
+            results["interrupted"] = f"{label}: interrupted"
             write_json(out_path, results)
-            progress(
-                f"{label}: {metrics['output_tokens_per_s']:.1f} output tok/s,"
-                f" TTFT p50 {metrics['ttft_ms']['p50']:.0f} ms,"
-                f" TPOT p50 {metrics['tpot_ms'].get('p50', float('nan')):.1f} ms"
-            )
-            if on_level_done is not None:
-                on_level_done()
+            raise
+
+    for offset in range(repeat):
+        round_number = round_index + offset
+        for scenario, record in zip(preset.scenarios, results["scenarios"], strict=True):
+            prompts = scenario_prompts(scenario, vocabulary, preset.seed)
+            if offset == 0:
+                warmup = warmup_prompts(scenario, vocabulary, preset.seed)
+                send(warmup, len(warmup), f"throughput {scenario.name} warm-up")
+            for concurrency in scenario.concurrency:
+                label = f"throughput {scenario.name} concurrency {concurrency}"
+                if repeat > 1 or round_number:
+                    label += f" round {round_number + 1}"
+                timings, duration = send(prompts, concurrency, label)
+                metrics = level_metrics(timings, duration)
+                record["levels"].append(
+                    {"concurrency": concurrency, "round": round_number, **metrics}
+                )
+                write_json(out_path, results)
+                progress(
+                    f"{label}: {metrics['output_tokens_per_s']:.1f} output tok/s,"
+                    f" TTFT p50 {metrics['ttft_ms']['p50']:.0f} ms,"
+                    f" TPOT p50 {metrics['tpot_ms'].get('p50', float('nan')):.1f} ms"
+                    f" ({len(prompts)} requests in {duration:.1f} s)"
+                )
+                if on_level_done is not None:
+                    on_level_done()
     results["complete"] = True
     write_json(out_path, results)
     return results
