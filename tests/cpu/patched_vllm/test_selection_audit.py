@@ -97,6 +97,6 @@ def test_a_mis_sliced_page_table_is_caught(monkeypatch, audit):
 
 def test_a_window_other_than_the_model_configs_is_caught(monkeypatch, audit):
     impl, md, index_query = _step(monkeypatch, "decode")
-    md.local_blocks = 0  # the model config says 1
+    impl.local_blocks = 0  # the model config says 1
     run_forward(monkeypatch, impl, md, index_query)
     assert any("forced block missing" in p for p in _problems(audit)), audit.summary()
