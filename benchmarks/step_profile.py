@@ -4,11 +4,13 @@
     python -m benchmarks.step_profile --from-traces OUT --out OUT   # re-report saved traces
 
 DIR is a ``vllm-minimax make-tiny-model DIR --geometry m3-tp8-rank`` directory (or any
-MiniMax M3 config), served as evals/h200-m3-tp8-rank-serve.yaml serves it: dummy weights in
-fp8, an fp8 index cache, CUDA graphs and chunked prefill on. Needs the patched vLLM (the
-``minimax_m3_indexer_backend`` attention option). Each arm (``--arms``, default triton and
-flashinfer) runs in a process of its own with one ``LLM(...)`` engine, in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the torch profiler sees the model. Two points:
+MiniMax M3 config). The engine takes the settings of ``--config`` (default
+evals/h200-m3-tp8-rank-serve.yaml: dummy weights in fp8, an fp8 index cache, CUDA graphs and
+chunked prefill on), plus the arm's indexer backend and ``--max-num-batched-tokens``.
+Needs the patched vLLM (the ``minimax_m3_indexer_backend`` attention option). Each arm
+(``--arms``, default triton and flashinfer) runs in a process of its own with one
+``LLM(...)`` engine, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the torch
+profiler sees the model. Two points:
 
 - ``decode``: ``--decode-batch`` requests of ``--decode-context`` tokens, their prompts in the
   prefix cache first, so that the profiled steps after ``--skip-steps`` are pure decode;
@@ -49,6 +51,8 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 # vLLM 0.34.0's Triton indexer kernels (vllm/models/minimax_m3/common/ops/index_topk.py).
 TRITON_INDEXER_KERNEL = re.compile(r"index_block_score|topk_index|decode_index_score")
+DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "evals/h200-m3-tp8-rank-serve.yaml"
+INDEXER_BACKEND_KEY = "minimax_m3_indexer_backend"
 TORCH_KERNEL = re.compile(r"at::|at_cuda|native::|^Memcpy|^Memset|elementwise|reduce_kernel")
 
 
@@ -88,7 +92,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the engine's token budget per step, so the long prompt of `mixed` spans the"
         " profiled steps (default: 8192)",
     )
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_SERVE_CONFIG,
+        help="`vllm serve --config` YAML whose settings the engine takes"
+        " (default: evals/h200-m3-tp8-rank-serve.yaml)",
+    )
     parser.add_argument(
         "--host-bound-below",
         type=float,
@@ -125,8 +135,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--skip-steps must be 0 or more")
     if not 0 < args.host_bound_below <= 1:
         raise UsageError("--host-bound-below must be in (0, 1]")
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise UsageError("--gpu-memory-utilization must be in (0, 1]")
     for option, given, known in (("--arms", args.arms, ARMS), ("--points", args.points, POINTS)):
         unknown = [value for value in given if value not in known]
         if unknown or len(set(given)) != len(given):
@@ -141,6 +149,8 @@ def check_args(args: argparse.Namespace) -> None:
         return
     if args.model is None or not (args.model / "config.json").is_file():
         raise UsageError("--model must be a directory with a config.json")
+    if not args.config.is_file():
+        raise UsageError(f"--config {args.config} does not exist")
 
 
 # --- Trace analysis (no GPU, no vLLM) ------------------------------------------------------
@@ -364,6 +374,18 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[dict[str, l
     ]
 
 
+def engine_kwargs(config_path: Path, arm: str, max_num_batched_tokens: int) -> dict[str, Any]:
+    """``LLM(...)`` arguments: the serve config's (``max-model-len`` ->
+    ``max_model_len``), its ``attention-config`` with the arm's indexer backend."""
+    import yaml
+
+    config = yaml.safe_load(config_path.read_text()) or {}
+    kwargs = {key.replace("-", "_"): value for key, value in config.items()}
+    kwargs["attention_config"] = {**kwargs.get("attention_config", {}), INDEXER_BACKEND_KEY: arm}
+    kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    return kwargs
+
+
 def run_arm(args: argparse.Namespace, arm: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
@@ -371,16 +393,11 @@ def run_arm(args: argparse.Namespace, arm: str) -> None:
 
     install_ranges()
     frame = args.skip_steps + args.steps + 2
-    longest = max(args.decode_context + frame, args.mixed_long_context + 2048 + frame)
-    llm = LLM(
-        model=str(args.model),
-        load_format="dummy",
-        quantization="fp8",
-        max_model_len=-(-longest // 1024) * 1024,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        attention_config={"indexer_kv_dtype": "fp8", "minimax_m3_indexer_backend": arm},
-    )
+    kwargs = engine_kwargs(args.config, arm, args.max_num_batched_tokens)
+    longest = max(args.decode_context, args.mixed_long_context + 2048) + frame
+    if kwargs.get("max_model_len", longest) < longest:
+        raise UsageError(f"{args.config}: max-model-len is below the {longest} tokens needed")
+    llm = LLM(model=str(args.model), **kwargs)
     vocab = len(llm.get_tokenizer())
     out = args.out / arm
     out.mkdir(parents=True, exist_ok=True)
@@ -426,7 +443,7 @@ def run_arms(args: argparse.Namespace) -> int:
             "--decode-context", str(args.decode_context),
             "--mixed-decodes", str(args.mixed_decodes),
             "--mixed-long-context", str(args.mixed_long_context),
-            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+            "--config", str(args.config),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         ]  # fmt: skip
         completed = subprocess.run(command, check=False)

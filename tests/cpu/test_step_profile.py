@@ -187,3 +187,32 @@ def test_a_mixed_point_too_short_for_the_profiled_steps_is_refused(tmp_path, cap
     assert step_profile.main([*argv, "--mixed-long-context", "65536"]) == 2
     assert "8 chunks" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_engine_takes_the_serve_config_and_the_arm(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "load-format: dummy\nmax-model-len: 4096\nattention-config:\n  indexer_kv_dtype: fp8\n"
+    )
+    kwargs = step_profile.engine_kwargs(config, "flashinfer", 8192)
+    assert kwargs == {
+        "load_format": "dummy",
+        "max_model_len": 4096,
+        "attention_config": {"indexer_kv_dtype": "fp8", "minimax_m3_indexer_backend": "flashinfer"},
+        "max_num_batched_tokens": 8192,
+    }
+
+
+def test_the_default_serve_config_is_the_rank_slices():
+    kwargs = step_profile.engine_kwargs(step_profile.DEFAULT_SERVE_CONFIG, "triton", 8192)
+    assert kwargs["load_format"] == "dummy"
+    assert kwargs["quantization"] == "fp8_per_block"
+    assert kwargs["attention_config"]["indexer_kv_dtype"] == "fp8"
+    assert kwargs["max_model_len"] >= 98304 + 2048 + 12
+
+
+def test_a_missing_serve_config_exits_2(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    argv = ["--model", str(tmp_path), "--out", str(tmp_path / "out")]
+    assert step_profile.main([*argv, "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "nope.yaml does not exist" in capsys.readouterr().err
