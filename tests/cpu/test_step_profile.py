@@ -206,7 +206,7 @@ def test_engine_takes_the_serve_config_and_the_arm(tmp_path):
 def test_the_default_serve_config_is_the_rank_slices():
     kwargs = step_profile.engine_kwargs(step_profile.DEFAULT_SERVE_CONFIG, "triton", 8192)
     assert kwargs["load_format"] == "dummy"
-    assert kwargs["quantization"] == "fp8_per_block"
+    assert kwargs["quantization"] == "fp8"
     assert kwargs["attention_config"]["indexer_kv_dtype"] == "fp8"
     assert kwargs["max_model_len"] >= 98304 + 2048 + 12
 
