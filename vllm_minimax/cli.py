@@ -158,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write an N-module MTP draft (speculative decoding) to DIR/mtp, N <="
         f" {MAX_MTP_MODULES} (default: 0, none)",
     )
+    tiny_parser.add_argument(
+        "--geometry",
+        choices=tiny_model_geometries(),
+        default="tiny",
+        help="tiny (default: random weights, 4 small layers), or m3-tpN-rank: config and"
+        " tokenizer of one GPU's share of MiniMax M3 served with tensor parallelism N (no"
+        " weights: serve it with load-format dummy; see docs/real-geometry.md)",
+    )
     tiny_parser.set_defaults(handler=run_make_tiny_model)
 
     warmup_parser = commands.add_parser(
@@ -291,9 +299,48 @@ def run_dev_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def tiny_model_geometries() -> tuple[str, ...]:
+    from vllm_minimax.tiny_model import GEOMETRIES
+
+    return GEOMETRIES
+
+
+def run_make_rank_model(args: argparse.Namespace) -> int:
+    """``make-tiny-model --geometry m3-tpN-rank``: a config, no weights to draw."""
+    from vllm_minimax import tiny_model
+
+    ignored = [
+        option
+        for option, given in (
+            ("--kind llama", args.kind == "llama"),
+            ("--initializer-range", args.initializer_range is not None),
+            ("--mtp-modules", bool(args.mtp_modules)),
+        )
+        if given
+    ]
+    if ignored:
+        print(
+            f"--geometry {args.geometry} writes MiniMax M3's config without weights;"
+            f" {', '.join(ignored)} would do nothing there",
+            file=sys.stderr,
+        )
+        return 2
+    made = tiny_model.make_rank_model(args.directory, args.geometry)
+    size = made["bytes"]
+    print(
+        f"wrote one rank of MiniMax M3 at tensor parallelism {made['tensor_parallel_size']}"
+        f" ({tiny_model.ARCHITECTURE}, {made['parameters']:,} parameters: {size['bf16'] / 1e9:.1f}"
+        f" GB in bf16, {size['fp8'] / 1e9:.1f} GB with fp8 weights; config and tokenizer only,"
+        f" serve with load-format dummy) to {made['directory']}"
+    )
+    return 0
+
+
 def run_make_tiny_model(args: argparse.Namespace) -> int:
     from vllm_minimax import tiny_model
 
+    if args.geometry != tiny_model.TINY_GEOMETRY:
+        return run_make_rank_model(args)
     if args.kind == "llama" and (args.initializer_range is not None or args.mtp_modules):
         raise PatchError("--initializer-range and --mtp-modules apply to --kind minimax-m3 only")
     directory: Path = args.directory

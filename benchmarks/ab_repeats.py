@@ -1,0 +1,177 @@
+"""Repeated ``vllm-minimax eval ab`` runs of the same arms, summarised with their spread.
+
+    python -m benchmarks.ab_repeats DIR [DIR ...] --out OUT [--tensor-parallel-size 8]
+
+Each DIR holds one ``ab.json`` (``scripts/m3-rank-h200 ab REP ...`` writes one per call);
+a DIR with sub-directories holding ``ab.json`` stands for all of them. For every scenario
+and concurrency the table gives, per arm, the median over the repetitions of output tok/s
+and of TTFT and TPOT p50 / p99, each with its range (min to max); the ratio of the arms'
+tok/s is taken within each repetition (same machine, back to back) and summarised the same
+way. The arms are matched by name, whatever their order in a run.
+
+A TP-N rank's slice produces every output token the whole deployment produces: its tok/s
+is an upper bound on the deployment's (the collectives are left out) and tok/s per GPU is
+that divided by N (``--tensor-parallel-size``). Writes OUT/repeats.json and OUT/repeats.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+METRICS = (
+    ("tok/s", lambda level: level["output_tokens_per_s"]),
+    ("TTFT p50 ms", lambda level: level["ttft_ms"]["p50"]),
+    ("TTFT p99 ms", lambda level: level["ttft_ms"]["p99"]),
+    ("TPOT p50 ms", lambda level: level.get("tpot_ms", {}).get("p50")),
+    ("TPOT p99 ms", lambda level: level.get("tpot_ms", {}).get("p99")),
+)
+
+
+def find_runs(paths: Sequence[Path]) -> list[Path]:
+    runs: list[Path] = []
+    for path in paths:
+        if (path / "ab.json").is_file():
+            runs.append(path / "ab.json")
+        else:
+            runs += sorted(path.glob("*/ab.json"))
+    return runs
+
+
+def collect(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, list]]:
+    """(scenario, concurrency) -> arm -> one level per run that measured it."""
+    table: dict[tuple[str, int], dict[str, list]] = {}
+    for run in runs:
+        for arm in run["arms"]:
+            for scenario in (arm.get("throughput") or {}).get("scenarios", []):
+                for level in scenario["levels"]:
+                    key = (scenario["name"], level["concurrency"])
+                    table.setdefault(key, {}).setdefault(arm["name"], []).append(level)
+    return table
+
+
+def ratios(runs: Sequence[dict[str, Any]], numerator: str, denominator: str) -> dict:
+    """(scenario, concurrency) -> numerator / denominator tok/s, one per run holding both."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for run in runs:
+        by_arm = {arm["name"]: arm.get("throughput") or {} for arm in run["arms"]}
+        if numerator not in by_arm or denominator not in by_arm:
+            continue
+        levels = {
+            name: {
+                (s["name"], level["concurrency"]): level["output_tokens_per_s"]
+                for s in by_arm[name].get("scenarios", [])
+                for level in s["levels"]
+            }
+            for name in (numerator, denominator)
+        }
+        for key, value in levels[numerator].items():
+            if key in levels[denominator] and levels[denominator][key]:
+                out.setdefault(key, []).append(value / levels[denominator][key])
+    return out
+
+
+def spread(values: Sequence[float | None]) -> dict[str, float] | None:
+    present = [value for value in values if value is not None]
+    if not present:
+        return None
+    return {
+        "median": statistics.median(present),
+        "min": min(present),
+        "max": max(present),
+        "n": len(present),
+    }
+
+
+def cell(summary: dict[str, float] | None, digits: int) -> str:
+    if summary is None:
+        return "-"
+    if summary["n"] == 1:
+        return f"{summary['median']:.{digits}f} (n=1)"
+    return (
+        f"{summary['median']:.{digits}f} [{summary['min']:.{digits}f}-"
+        f"{summary['max']:.{digits}f}] (n={summary['n']})"
+    )
+
+
+def summarise(runs: Sequence[dict[str, Any]], arms: Sequence[str], tp: int) -> dict[str, Any]:
+    table = collect(runs)
+    ratio = ratios(runs, arms[1], arms[0]) if len(arms) > 1 else {}
+    points = []
+    for (scenario, concurrency), by_arm in table.items():
+        entry: dict[str, Any] = {"scenario": scenario, "concurrency": concurrency, "arms": {}}
+        for arm in arms:
+            levels = by_arm.get(arm, [])
+            entry["arms"][arm] = {
+                label: spread([read(level) for level in levels]) for label, read in METRICS
+            }
+            tok = entry["arms"][arm]["tok/s"]
+            per_gpu = None
+            if tok is not None:
+                per_gpu = {**tok, **{k: tok[k] / tp for k in ("median", "min", "max")}}
+            entry["arms"][arm]["tok/s per GPU"] = per_gpu
+        entry["ratio"] = spread(ratio.get((scenario, concurrency), []))
+        points.append(entry)
+    return {"arms": list(arms), "tensor_parallel_size": tp, "runs": len(runs), "points": points}
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    arms = summary["arms"]
+    lines = [
+        f"# {' vs '.join(arms)}: {summary['runs']} runs, median [min-max] (n = runs)",
+        "",
+        f"tok/s per GPU is the slice's tok/s / {summary['tensor_parallel_size']}.",
+        "",
+    ]
+    header = "| scenario | concurrency |"
+    for arm in arms:
+        header += f" {arm} tok/s per GPU |"
+        header += "".join(f" {arm} {label} |" for label, _ in METRICS[1:])
+    if len(arms) > 1:
+        header += f" {arms[1]} / {arms[0]} tok/s |"
+    lines += [header, "|---" * (header.count("|") - 1) + "|"]
+    for point in summary["points"]:
+        row = f"| {point['scenario']} | {point['concurrency']} |"
+        for arm in arms:
+            metrics = point["arms"][arm]
+            row += f" {cell(metrics['tok/s per GPU'], 1)} |"
+            row += "".join(f" {cell(metrics[label], 1)} |" for label, _ in METRICS[1:])
+        if len(arms) > 1:
+            row += f" {cell(point['ratio'], 3)} |"
+        lines.append(row)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.ab_repeats", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("dirs", nargs="+", type=Path, metavar="DIR")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--arms", nargs="+", default=["triton", "flashinfer"])
+    parser.add_argument("--tensor-parallel-size", type=int, default=8)
+    args = parser.parse_args(argv)
+    if args.tensor_parallel_size <= 0:
+        print("ab_repeats: --tensor-parallel-size must be positive", file=sys.stderr)
+        return 2
+    paths = find_runs(args.dirs)
+    if not paths:
+        print(f"ab_repeats: no ab.json in {', '.join(map(str, args.dirs))}", file=sys.stderr)
+        return 2
+    runs = [json.loads(path.read_text()) for path in paths]
+    summary = summarise(runs, args.arms, args.tensor_parallel_size)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "repeats.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = markdown(summary)
+    (args.out / "repeats.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

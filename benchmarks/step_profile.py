@@ -1,0 +1,488 @@
+"""Where an engine step of MiniMax M3's TP-8 rank goes: the indexer's share, both indexers.
+
+    python -m benchmarks.step_profile --model DIR --out OUT
+    python -m benchmarks.step_profile --from-traces OUT --out OUT   # re-report saved traces
+
+DIR is a ``vllm-minimax make-tiny-model DIR --geometry m3-tp8-rank`` directory (or any
+MiniMax M3 config). The engine takes the settings of ``--config`` (default
+evals/h200-m3-tp8-rank-serve.yaml: dummy weights in fp8, an fp8 index cache, CUDA graphs and
+chunked prefill on), plus the arm's indexer backend and ``--max-num-batched-tokens``.
+Needs the patched vLLM (the ``minimax_m3_indexer_backend`` attention option). Each arm
+(``--arms``, default triton and flashinfer) runs in a process of its own with one
+``LLM(...)`` engine, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the torch
+profiler sees the model. Two points:
+
+- ``decode``: ``--decode-batch`` requests of ``--decode-context`` tokens, their prompts in the
+  prefix cache first, so that the profiled steps after ``--skip-steps`` are pure decode;
+- ``mixed``: ``--mixed-decodes`` cached 2k-token requests decoding while one uncached
+  ``--mixed-long-context``-token prompt is prefilled chunk by chunk in the same steps.
+
+Two ranges are added with ``torch.profiler.record_function``: ``LLMEngine.step`` (the
+step) and ``MiniMaxM3Indexer.forward`` (the indexer, which vLLM runs eagerly between CUDA
+graph pieces, so it is on the host every step). A GPU kernel belongs to the indexer when
+the runtime call that launched it lies inside an indexer range. Per point and arm the
+report gives: step wall time; GPU busy time (the union of kernel and copy intervals); the
+indexer's share of the step's GPU time and of its host (wall) time; kernels per sparse
+layer (per indexer call), split into FlashInfer's, vLLM's Triton indexer kernels and
+PyTorch's; and whether the step is host-bound (GPU busy less than ``--host-bound-below`` of
+the wall time). Writes OUT/ARM/POINT.trace.json.gz, OUT/step_profile.json and
+OUT/step_profile.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+STEP_RANGE = "step_profile::step"
+INDEXER_RANGE = "step_profile::indexer"
+ARMS = ("triton", "flashinfer")
+POINTS = ("decode", "mixed")
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+# vLLM 0.34.0's Triton indexer kernels (vllm/models/minimax_m3/common/ops/index_topk.py).
+TRITON_INDEXER_KERNEL = re.compile(r"index_block_score|topk_index|decode_index_score")
+DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "evals/h200-m3-tp8-rank-serve.yaml"
+INDEXER_BACKEND_KEY = "minimax_m3_indexer_backend"
+TORCH_KERNEL = re.compile(r"at::|at_cuda|native::|^Memcpy|^Memset|elementwise|reduce_kernel")
+
+
+class UsageError(Exception):
+    """Bad arguments: one message, exit status 2."""
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.step_profile", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--model", type=Path, help="the model directory (config.json)")
+    parser.add_argument("--out", type=Path, required=True, help="directory for the results")
+    parser.add_argument(
+        "--from-traces",
+        type=Path,
+        metavar="DIR",
+        help="analyse the ARM/POINT.trace.json.gz under DIR instead of running engines",
+    )
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), help="indexer backends")
+    parser.add_argument("--points", nargs="+", default=list(POINTS), help="decode, mixed")
+    parser.add_argument("--steps", type=int, default=8, help="profiled steps (default: 8)")
+    parser.add_argument(
+        "--skip-steps",
+        type=int,
+        default=2,
+        help="profiled steps left out of the figures at the start (default: 2)",
+    )
+    parser.add_argument("--decode-batch", type=int, default=32)
+    parser.add_argument("--decode-context", type=int, default=32768)
+    parser.add_argument("--mixed-decodes", type=int, default=16)
+    parser.add_argument("--mixed-long-context", type=int, default=98304)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="the engine's token budget per step, so the long prompt of `mixed` spans the"
+        " profiled steps (default: 8192)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=DEFAULT_SERVE_CONFIG,
+        help="`vllm serve --config` YAML whose settings the engine takes"
+        " (default: evals/h200-m3-tp8-rank-serve.yaml)",
+    )
+    parser.add_argument(
+        "--host-bound-below",
+        type=float,
+        default=0.9,
+        help="call a step host-bound when the GPU is busy less than this fraction of its"
+        " wall time (default: 0.9)",
+    )
+    parser.add_argument("--sparse-layers", type=int, help="default: from the model's config")
+    parser.add_argument("--run-arm", choices=ARMS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name in (
+        "steps",
+        "decode_batch",
+        "decode_context",
+        "mixed_decodes",
+        "mixed_long_context",
+        "max_num_batched_tokens",
+    ):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be positive")
+    chunks = args.mixed_long_context // args.max_num_batched_tokens
+    if "mixed" in args.points and chunks < args.skip_steps + args.steps:
+        raise UsageError(
+            f"--mixed-long-context {args.mixed_long_context} is {chunks} chunks of"
+            f" --max-num-batched-tokens {args.max_num_batched_tokens}: fewer than the"
+            f" {args.skip_steps + args.steps} steps profiled, so some would not be mixed"
+        )
+    if args.skip_steps < 0:
+        raise UsageError("--skip-steps must be 0 or more")
+    if not 0 < args.host_bound_below <= 1:
+        raise UsageError("--host-bound-below must be in (0, 1]")
+    for option, given, known in (("--arms", args.arms, ARMS), ("--points", args.points, POINTS)):
+        unknown = [value for value in given if value not in known]
+        if unknown or len(set(given)) != len(given):
+            raise UsageError(f"{option} takes distinct values of {', '.join(known)}")
+    if args.from_traces is not None:
+        if args.model is not None:
+            raise UsageError("--from-traces analyses saved traces; --model would not be used")
+        if not args.from_traces.is_dir():
+            raise UsageError(f"--from-traces {args.from_traces} is not a directory")
+        if args.sparse_layers is None:
+            raise UsageError("--from-traces needs --sparse-layers (57 for MiniMax M3)")
+        return
+    if args.model is None or not (args.model / "config.json").is_file():
+        raise UsageError("--model must be a directory with a config.json")
+    if not args.config.is_file():
+        raise UsageError(f"--config {args.config} does not exist")
+
+
+# --- Trace analysis (no GPU, no vLLM) ------------------------------------------------------
+
+
+def _complete(events: Iterable[dict[str, Any]], categories: Iterable[str]) -> list[dict]:
+    wanted = set(categories)
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in wanted]
+
+
+def _ranges(events: list[dict], name: str) -> list[dict]:
+    return sorted(
+        (e for e in _complete(events, ("user_annotation",)) if e.get("name") == name),
+        key=lambda e: e["ts"],
+    )
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+class _RangeIndex:
+    """Which ranges (per thread) contain a timestamp."""
+
+    def __init__(self, ranges: list[dict]) -> None:
+        self.by_thread: dict[Any, tuple[list[float], list[float]]] = {}
+        for r in ranges:
+            starts, ends = self.by_thread.setdefault((r.get("pid"), r.get("tid")), ([], []))
+            starts.append(r["ts"])
+            ends.append(r["ts"] + r["dur"])
+
+    def contains(self, event: dict) -> bool:
+        found = self.by_thread.get((event.get("pid"), event.get("tid")))
+        if not found:
+            return False
+        starts, ends = found
+        i = bisect.bisect_right(starts, event["ts"]) - 1
+        return i >= 0 and event["ts"] <= ends[i]
+
+
+def kernel_family(name: str) -> str:
+    if TRITON_INDEXER_KERNEL.search(name):
+        return "triton"
+    if TORCH_KERNEL.search(name):
+        return "torch"
+    return "flashinfer"
+
+
+def analyze_trace(
+    trace: dict[str, Any], sparse_layers: int, skip_steps: int, host_bound_below: float
+) -> dict[str, Any]:
+    """The figures of one profiled point from a torch profiler Chrome trace."""
+    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    steps = _ranges(events, STEP_RANGE)
+    if len(steps) <= skip_steps:
+        raise ValueError(f"the trace has {len(steps)} steps; {skip_steps} are to be skipped")
+    steps = steps[skip_steps:]
+    start, end = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
+    in_window = [r for r in _ranges(events, INDEXER_RANGE) if start <= r["ts"] <= end]
+    indexer_index = _RangeIndex(in_window)
+    launches = {
+        e["args"]["correlation"]: e
+        for e in _complete(events, LAUNCH_CATEGORIES)
+        if "correlation" in e.get("args", {}) and start <= e["ts"] <= end
+    }
+    gpu = [
+        e
+        for e in _complete(events, GPU_CATEGORIES)
+        if e.get("args", {}).get("correlation") in launches
+    ]
+    indexer_gpu = [e for e in gpu if indexer_index.contains(launches[e["args"]["correlation"]])]
+    families = {"flashinfer": 0, "triton": 0, "torch": 0}
+    for e in indexer_gpu:
+        families["torch" if e["cat"] != "kernel" else kernel_family(e["name"])] += 1
+    forwards = sum(
+        1
+        for s in steps
+        if any(s["ts"] <= launch["ts"] <= s["ts"] + s["dur"] for launch in launches.values())
+    )
+    wall_us = end - start
+    step_us = sum(s["dur"] for s in steps)
+    gpu_us = sum(e["dur"] for e in gpu)
+    busy_us = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
+    indexer_gpu_us = sum(e["dur"] for e in indexer_gpu)
+    indexer_host_us = sum(r["dur"] for r in in_window)
+    calls = len(in_window)
+    busy_fraction = busy_us / wall_us if wall_us else 0.0
+    return {
+        "steps": len(steps),
+        "forwards": forwards,
+        "step_ms": step_us / len(steps) / 1000,
+        "gpu_busy_ms_per_step": busy_us / len(steps) / 1000,
+        "gpu_busy_fraction": busy_fraction,
+        "host_bound": busy_fraction < host_bound_below,
+        "indexer_calls_per_forward": calls / forwards if forwards else 0.0,
+        "expected_calls_per_forward": sparse_layers,
+        "indexer_gpu_ms_per_step": indexer_gpu_us / len(steps) / 1000,
+        "indexer_gpu_share": indexer_gpu_us / gpu_us if gpu_us else 0.0,
+        "indexer_host_ms_per_step": indexer_host_us / len(steps) / 1000,
+        "indexer_host_share": indexer_host_us / step_us if step_us else 0.0,
+        "indexer_host_us_per_call": indexer_host_us / calls if calls else 0.0,
+        "kernels_per_sparse_layer": {
+            family: count / calls if calls else 0.0 for family, count in families.items()
+        },
+    }
+
+
+ROWS = (
+    ("step wall ms", lambda r: f"{r['step_ms']:.2f}"),
+    ("GPU busy ms / step", lambda r: f"{r['gpu_busy_ms_per_step']:.2f}"),
+    ("GPU busy / wall", lambda r: f"{100 * r['gpu_busy_fraction']:.0f}%"),
+    ("host-bound", lambda r: "yes" if r["host_bound"] else "no"),
+    (
+        "indexer calls / forward",
+        lambda r: f"{r['indexer_calls_per_forward']:.1f} (of {r['expected_calls_per_forward']})",
+    ),
+    ("indexer GPU ms / step", lambda r: f"{r['indexer_gpu_ms_per_step']:.3f}"),
+    ("indexer share of GPU time", lambda r: f"{100 * r['indexer_gpu_share']:.1f}%"),
+    ("indexer host ms / step", lambda r: f"{r['indexer_host_ms_per_step']:.3f}"),
+    ("indexer share of step wall", lambda r: f"{100 * r['indexer_host_share']:.1f}%"),
+    ("indexer host us / call", lambda r: f"{r['indexer_host_us_per_call']:.1f}"),
+    (
+        "kernels / sparse layer: FlashInfer",
+        lambda r: f"{r['kernels_per_sparse_layer']['flashinfer']:.2f}",
+    ),
+    (
+        "kernels / sparse layer: Triton indexer",
+        lambda r: f"{r['kernels_per_sparse_layer']['triton']:.2f}",
+    ),
+    (
+        "kernels / sparse layer: PyTorch",
+        lambda r: f"{r['kernels_per_sparse_layer']['torch']:.2f}",
+    ),
+)
+
+
+def format_report(results: dict[str, dict[str, dict[str, Any]]], setup: str) -> str:
+    """Markdown: one table per point, a column per arm."""
+    lines = ["# Engine step profile: MiniMax M3 indexer, Triton against FlashInfer", "", setup, ""]
+    points = sorted({point for by_point in results.values() for point in by_point})
+    for point in points:
+        arms = [arm for arm in results if point in results[arm]]
+        lines += [f"## {point}", "", "| | " + " | ".join(arms) + " |"]
+        lines.append("|---" * (len(arms) + 1) + "|")
+        for label, cell in ROWS:
+            lines.append(f"| {label} | " + " | ".join(cell(results[a][point]) for a in arms) + " |")
+        lines.append("")
+    lines += [
+        "GPU time is summed kernel and copy time (streams may overlap); GPU busy is their union.",
+        "A kernel is the indexer's when its launch lies inside `MiniMaxM3Indexer.forward`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def load_trace(path: Path) -> dict[str, Any]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as handle:
+        return json.load(handle)
+
+
+def report_from_traces(directory: Path, args: argparse.Namespace, setup: str) -> dict:
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for arm in args.arms:
+        for point in args.points:
+            path = directory / arm / f"{point}.trace.json.gz"
+            if not path.is_file():
+                continue
+            results.setdefault(arm, {})[point] = analyze_trace(
+                load_trace(path), args.sparse_layers, args.skip_steps, args.host_bound_below
+            )
+    if not results:
+        raise UsageError(
+            f"no ARM/POINT.trace.json.gz for {args.arms} x {args.points} in {directory}"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "step_profile.json").write_text(
+        json.dumps({"setup": setup, "results": results}, indent=2) + "\n"
+    )
+    (args.out / "step_profile.md").write_text(format_report(results, setup))
+    return results
+
+
+# --- Engine runs (H200, patched vLLM) ------------------------------------------------------
+
+
+def sparse_layer_count(model: Path) -> int:
+    config = json.loads((model / "config.json").read_text())
+    return sum(1 for kind in config.get("layer_types", []) if kind == "minimax_m3_sparse")
+
+
+def install_ranges() -> None:
+    """Wrap the engine step and the indexer's forward in profiler ranges."""
+    import torch
+    from vllm.models.minimax_m3.common.indexer import MiniMaxM3Indexer
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    def ranged(function, name):
+        def wrapper(*args, **kwargs):
+            with torch.profiler.record_function(name):
+                return function(*args, **kwargs)
+
+        return wrapper
+
+    LLMEngine.step = ranged(LLMEngine.step, STEP_RANGE)
+    MiniMaxM3Indexer.forward = ranged(MiniMaxM3Indexer.forward, INDEXER_RANGE)
+
+
+def _prompts(count: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
+    import random
+
+    rng = random.Random(seed)
+    return [
+        {"prompt_token_ids": [rng.randrange(vocab) for _ in range(length)]} for _ in range(count)
+    ]
+
+
+def engine_kwargs(config_path: Path, arm: str, max_num_batched_tokens: int) -> dict[str, Any]:
+    """``LLM(...)`` arguments: the serve config's (``max-model-len`` ->
+    ``max_model_len``), its ``attention-config`` with the arm's indexer backend."""
+    import yaml
+
+    config = yaml.safe_load(config_path.read_text()) or {}
+    kwargs = {key.replace("-", "_"): value for key, value in config.items()}
+    kwargs["attention_config"] = {**kwargs.get("attention_config", {}), INDEXER_BACKEND_KEY: arm}
+    kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    return kwargs
+
+
+def run_arm(args: argparse.Namespace, arm: str) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Uniform random top-4 per token, as scripts/m3-rank-h200 serves it (unless set already).
+    os.environ.setdefault("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", "uniform_random")
+    import torch
+    from vllm import LLM, SamplingParams
+
+    install_ranges()
+    frame = args.skip_steps + args.steps + 2
+    kwargs = engine_kwargs(args.config, arm, args.max_num_batched_tokens)
+    longest = max(args.decode_context, args.mixed_long_context + 2048) + frame
+    if kwargs.get("max_model_len", longest) < longest:
+        raise UsageError(f"{args.config}: max-model-len is below the {longest} tokens needed")
+    llm = LLM(model=str(args.model), **kwargs)
+    vocab = len(llm.get_tokenizer())
+    out = args.out / arm
+    out.mkdir(parents=True, exist_ok=True)
+    for point in args.points:
+        if point == "decode":
+            cached = _prompts(args.decode_batch, args.decode_context, vocab, seed=1)
+            profiled = cached
+        else:
+            cached = _prompts(args.mixed_decodes, 2048, vocab, seed=2)
+            long_prompt = _prompts(1, args.mixed_long_context, vocab, seed=3)
+            profiled = cached + long_prompt
+            # Same shapes once unprofiled first, so no first-call JIT lands in the trace.
+            llm.generate(
+                _prompts(args.mixed_decodes, 2048, vocab, seed=4)
+                + _prompts(1, args.mixed_long_context, vocab, seed=5),
+                SamplingParams(max_tokens=frame, ignore_eos=True),
+                use_tqdm=False,
+            )
+        llm.generate(cached, SamplingParams(max_tokens=1), use_tqdm=False)
+        llm.generate(cached, SamplingParams(max_tokens=frame, ignore_eos=True), use_tqdm=False)
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as profile:
+            llm.generate(
+                profiled,
+                SamplingParams(max_tokens=args.skip_steps + args.steps, ignore_eos=True),
+                use_tqdm=False,
+            )
+        raw = out / f"{point}.trace.json"
+        profile.export_chrome_trace(str(raw))
+        with open(raw, "rb") as source, gzip.open(f"{raw}.gz", "wb") as target:
+            target.write(source.read())
+        raw.unlink()
+        print(f"{arm} {point}: wrote {raw}.gz", flush=True)
+
+
+def run_arms(args: argparse.Namespace) -> int:
+    for arm in args.arms:
+        command = [
+            sys.executable, "-m", "benchmarks.step_profile", "--run-arm", arm,
+            "--model", str(args.model), "--out", str(args.out), "--points", *args.points,
+            "--steps", str(args.steps), "--skip-steps", str(args.skip_steps),
+            "--decode-batch", str(args.decode_batch),
+            "--decode-context", str(args.decode_context),
+            "--mixed-decodes", str(args.mixed_decodes),
+            "--mixed-long-context", str(args.mixed_long_context),
+            "--config", str(args.config),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        ]  # fmt: skip
+        completed = subprocess.run(command, check=False)
+        if completed.returncode != 0:
+            print(f"arm {arm} failed (exit {completed.returncode})", file=sys.stderr)
+            return 1
+    return 0
+
+
+def setup_line(args: argparse.Namespace) -> str:
+    model = args.model if args.model is not None else f"traces in {args.from_traces}"
+    return (
+        f"Model: {model}. decode: {args.decode_batch} x {args.decode_context} tokens (cached"
+        f" prompts); mixed: {args.mixed_decodes} decodes of 2k + one {args.mixed_long_context}"
+        f"-token prefill; {args.max_num_batched_tokens} tokens a step at most. {args.steps}"
+        f" steps after {args.skip_steps} skipped; host-bound below"
+        f" {100 * args.host_bound_below:.0f}% GPU busy."
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        if args.run_arm is not None:
+            run_arm(args, args.run_arm)
+            return 0
+        if args.from_traces is None:
+            args.sparse_layers = args.sparse_layers or sparse_layer_count(args.model)
+            if run_arms(args) != 0:
+                return 1
+        results = report_from_traces(args.from_traces or args.out, args, setup_line(args))
+    except UsageError as error:
+        print(f"step_profile: {error}", file=sys.stderr)
+        return 2
+    print(format_report(results, setup_line(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

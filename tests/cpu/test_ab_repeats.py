@@ -1,0 +1,74 @@
+"""benchmarks/ab_repeats.py: medians and ranges over repeated eval ab runs, arms matched by
+name whatever their order, ratios taken within each run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import ab_repeats
+
+
+def _level(concurrency: int, tok_s: float, ttft: float, tpot: float) -> dict:
+    return {
+        "concurrency": concurrency,
+        "output_tokens_per_s": tok_s,
+        "ttft_ms": {"p50": ttft, "p99": 2 * ttft},
+        "tpot_ms": {"p50": tpot, "p99": 2 * tpot},
+    }
+
+
+def _run(order: list[str], tok_s: dict[str, float]) -> dict:
+    return {
+        "arms": [
+            {
+                "name": name,
+                "throughput": {
+                    "scenarios": [
+                        {"name": "decode-32k-c32", "levels": [_level(32, tok_s[name], 900, 20)]}
+                    ]
+                },
+            }
+            for name in order
+        ]
+    }
+
+
+@pytest.fixture
+def run_dirs(tmp_path):
+    runs = [
+        _run(["triton", "flashinfer"], {"triton": 800.0, "flashinfer": 880.0}),
+        _run(["flashinfer", "triton"], {"triton": 760.0, "flashinfer": 836.0}),
+        _run(["triton", "flashinfer"], {"triton": 840.0, "flashinfer": 840.0}),
+    ]
+    for index, run in enumerate(runs, 1):
+        (tmp_path / "runs" / f"rep{index}").mkdir(parents=True)
+        (tmp_path / "runs" / f"rep{index}" / "ab.json").write_text(json.dumps(run))
+    return tmp_path
+
+
+def test_medians_ranges_and_per_run_ratios(run_dirs, capsys):
+    out = run_dirs / "out"
+    assert ab_repeats.main([str(run_dirs / "runs"), "--out", str(out)]) == 0
+    summary = json.loads((out / "repeats.json").read_text())
+    assert summary["runs"] == 3
+    (point,) = summary["points"]
+    triton = point["arms"]["triton"]
+    assert triton["tok/s"] == {"median": 800.0, "min": 760.0, "max": 840.0, "n": 3}
+    assert triton["tok/s per GPU"]["median"] == pytest.approx(100.0)
+    assert point["arms"]["flashinfer"]["tok/s"]["median"] == 840.0
+    # 880/800, 836/760 and 840/840, each within its own run.
+    assert point["ratio"]["median"] == pytest.approx(1.1)
+    assert point["ratio"]["min"] == pytest.approx(1.0)
+    assert point["arms"]["triton"]["TTFT p99 ms"]["median"] == 1800
+    text = (out / "repeats.md").read_text()
+    assert "| decode-32k-c32 | 32 | 100.0 [95.0-105.0] (n=3) |" in text
+    assert "1.100 [1.000-1.100] (n=3) |" in text
+    assert text in capsys.readouterr().out
+
+
+def test_no_runs_exit_2(tmp_path, capsys):
+    assert ab_repeats.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "no ab.json" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
