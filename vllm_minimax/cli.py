@@ -325,13 +325,16 @@ def run_make_rank_model(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    made = tiny_model.make_rank_model(args.directory, args.geometry)
+    check_model_directory(args.directory, args.force)
+    made = write_directory_whole(
+        args.directory, lambda d: tiny_model.make_rank_model(d, args.geometry)
+    )
     size = made["bytes"]
     print(
         f"wrote one rank of MiniMax M3 at tensor parallelism {made['tensor_parallel_size']}"
         f" ({tiny_model.ARCHITECTURE}, {made['parameters']:,} parameters: {size['bf16'] / 1e9:.1f}"
         f" GB in bf16, {size['fp8'] / 1e9:.1f} GB with fp8 weights; config and tokenizer only,"
-        f" serve with load-format dummy) to {made['directory']}"
+        f" serve with load-format dummy) to {args.directory}"
     )
     return 0
 
