@@ -57,6 +57,24 @@ class KnownAnswers(ThreadingHTTPServer):
 class CompletionsHandler(BaseHTTPRequestHandler):
     server: KnownAnswers
 
+    def do_GET(self) -> None:
+        # What the client checks before lm-eval starts: health, and that the model is served.
+        if self.path == "/health":
+            self.send_json({})
+        elif self.path == "/v1/models":
+            model = {"id": "fixture-model", "object": "model", "max_model_len": 4096}
+            self.send_json({"object": "list", "data": [model]})
+        else:
+            self.send_error(404)
+
+    def send_json(self, payload: dict) -> None:
+        data = json.dumps(payload)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data.encode())
+
     def do_POST(self) -> None:
         if self.path != "/v1/completions":
             self.send_error(404)
@@ -67,12 +85,7 @@ class CompletionsHandler(BaseHTTPRequestHandler):
             {"index": i, "text": self.server.reply(p), "finish_reason": "stop", "logprobs": None}
             for i, p in enumerate(prompts)
         ]
-        data = json.dumps({"id": "fixture", "object": "text_completion", "choices": choices})
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data.encode())
+        self.send_json({"id": "fixture", "object": "text_completion", "choices": choices})
 
     def log_message(self, format: str, *args: object) -> None:
         pass
