@@ -20,8 +20,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
 from mtp_draft_probe import _pin_platform_choices
 
 

@@ -26,7 +26,7 @@ def fake_applied_target(root: Path, patches: list[tuple[str, str]]) -> Path:
         files=[],
         created_dirs=[],
     )
-    patchset.write_state(root, state)
+    (root / patchset.STATE_FILE).write_bytes(state.encode())
     return root
 
 

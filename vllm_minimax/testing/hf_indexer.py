@@ -158,5 +158,5 @@ STEP_CASES = [
         init_blocks=1,
         decode_threshold=2,
     ),
-    StepCase("prefills-from-empty", (0, 0, 0), (129, 2047, 1800)),
+    StepCase("prefills-from-empty", (0, 0, 0), (129, 2049, 1800)),
 ]
