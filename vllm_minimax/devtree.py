@@ -272,6 +272,31 @@ def extract_sdist(sdist: Path, version: str, directory: Path) -> None:
         os.replace(Path(tmp) / top, directory)
 
 
+def pristine_tree(version: str) -> Path:
+    """Return a directory holding vLLM ``version``'s pristine ``vllm/`` package from its sdist.
+
+    Extracted once into the cache (``pristine/vllm-<version>/``) and reused; callers mirror
+    or copy it and never write into it. Only the Python sources are there: the sdist has
+    no compiled extensions.
+    """
+    root = cache_dir() / "pristine" / f"vllm-{version}"
+    if (root / "vllm" / "__init__.py").is_file():
+        return root
+    sdist = fetch_sdist(version)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    top = f"vllm-{version}/"
+    with tempfile.TemporaryDirectory(prefix=".vllm-minimax-pristine-", dir=root.parent) as tmp:
+        with tarfile.open(sdist, "r:gz") as archive:
+            members = [m for m in archive.getmembers() if m.name.startswith(top + "vllm/")]
+            archive.extractall(tmp, members=members, filter="data")
+        try:
+            os.replace(Path(tmp) / top, root)
+        except OSError:
+            if not (root / "vllm" / "__init__.py").is_file():
+                raise
+    return root
+
+
 def patch_commits(directory: Path, version: str) -> list[str]:
     output = git(directory, "rev-list", "--reverse", f"{pristine_tag(version)}..HEAD").stdout
     return output.split()
