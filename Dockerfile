@@ -1,6 +1,7 @@
 # vLLM's official OpenAI-compatible server image with the MiniMax M3 FlashInfer
 # indexer series applied. Build and run (see README, "Deploy"):
 #   docker build -t vllm-minimax:0.34.0 .
+#   docker build --build-arg VLLM_IMAGE_TAG=v0.33.0 -t vllm-minimax:0.33.0 .
 #   docker run --gpus all --ipc=host -p 8000:8000 vllm-minimax:0.34.0 \
 #       MiniMaxAI/MiniMax-M3 --config /opt/vllm-minimax/configs/serve/h200-8x.yaml
 # The tag picks the vLLM release; docker/build.sh fails the build when that vLLM
@@ -11,7 +12,7 @@ ARG VLLM_IMAGE_TAG
 
 COPY . /opt/vllm-minimax
 
-# FlashInfer 0.7.4 over the image's 0.7.3, this package, `vllm-minimax apply`,
+# FlashInfer 0.7.4 over the image's pin (0.7.3; 0.7.2.post1 in v0.33.0), this package, `vllm-minimax apply`,
 # and a build failure unless `vllm-minimax status` is clean afterwards.
 RUN EXPECTED_VLLM_VERSION="${VLLM_IMAGE_TAG#v}" bash /opt/vllm-minimax/docker/build.sh
 

@@ -6,7 +6,8 @@
 #
 # 1. Checks that the vLLM it patches has a series in patches/ (and, when
 #    EXPECTED_VLLM_VERSION is set, e.g. from the image tag, that it is that version).
-# 2. Installs flashinfer-python 0.7.4 over the image's 0.7.3 (--no-deps), then only
+# 2. Installs flashinfer-python 0.7.4 over the image's pin (0.7.3 in v0.34.0, 0.7.2.post1
+#    in v0.33.0) (--no-deps), then only
 #    those of 0.7.4's requirements the environment does not already satisfy, with
 #    vLLM's own pins held (torch, apache-tvm-ffi, nvidia-cutlass-dsl, ...).
 # 3. Installs this package (pip install --no-deps .).
@@ -89,7 +90,8 @@ echo "build.sh: $version_check"
 # --- 2 and 3. FlashInfer 0.7.4 and this package -----------------------------------------
 if [ "$SKIP_PIP" -eq 0 ]; then
     echo "build.sh: installing flashinfer-python==$FLASHINFER_VERSION (--no-deps)"
-    # vLLM 0.34.0 pins flashinfer-python==0.7.3; the series targets 0.7.4's msa_ops.
+    # vLLM 0.34.0 pins flashinfer-python==0.7.3 and 0.33.0 pins 0.7.2.post1 (no SM90
+    # msa_ops); both series target 0.7.4's msa_ops.
     $PIP install --no-cache-dir --no-deps "flashinfer-python==$FLASHINFER_VERSION"
 
     # 0.7.4's requirements that are not met here, and pins that keep vLLM's stack as is.

@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     checkout_parser.add_argument("version", metavar="VERSION", help="vLLM version, e.g. 0.34.0")
     checkout_parser.add_argument("directory", type=Path, metavar="DIR")
+    checkout_parser.add_argument(
+        "--pristine",
+        action="store_true",
+        help="only the pristine tree, tagged, without the series (the start of a rebase onto a"
+        " release that has no series yet: docs/rebasing.md)",
+    )
     checkout_parser.set_defaults(handler=run_dev_checkout)
     export_parser = dev_commands.add_parser(
         "export", help="write the commits since the pristine tag back as the patch series"
@@ -281,7 +287,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 def run_dev_checkout(args: argparse.Namespace) -> int:
     from vllm_minimax import devtree
 
-    checkout = devtree.checkout(args.version, args.directory)
+    checkout = devtree.checkout(args.version, args.directory, with_series=not args.pristine)
     print(
         f"checked out vLLM {checkout.version} in {checkout.directory}: pristine tree tagged"
         f" {checkout.pristine_tag}, {len(checkout.patch_commits)} patch commit(s) on top"

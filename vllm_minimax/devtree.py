@@ -35,6 +35,7 @@ PYPI_SIMPLE_URL = "https://pypi.org/simple/vllm/"
 PYPI_JSON_ACCEPT = "application/vnd.pypi.simple.v1+json"
 # Pinned hashes of sdists the series was written against; PyPI must agree with them.
 KNOWN_SDIST_SHA256 = {
+    "0.33.0": "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
     "0.34.0": "fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113",
 }
 PRISTINE_IDENTITY = ("vLLM sdist", "sdist@vllm-minimax.invalid")
@@ -202,13 +203,24 @@ class Checkout:
     patch_commits: list[str]
 
 
-def checkout(version: str, directory: Path, patches_dir: Path | None = None) -> Checkout:
+def checkout(
+    version: str, directory: Path, patches_dir: Path | None = None, with_series: bool = True
+) -> Checkout:
+    """Make DIR a git repo of vLLM ``version``'s sdist, tagged, with the series as commits.
+
+    ``with_series=False`` stops at the tagged pristine tree and needs no series for
+    ``version``: that is where a rebase onto a new release starts.
+    """
     directory = Path(directory).absolute()
-    series_dir = require_series_dir(version, patches_dir)
-    names = parse_series_file((series_dir / SERIES_FILE_NAME).read_text(encoding="utf-8"))
-    for name in names:
-        if not (series_dir / name).is_file():
-            raise PatchError(f"{series_dir / SERIES_FILE_NAME} names {name}, which does not exist")
+    names: list[str] = []
+    if with_series:
+        series_dir = require_series_dir(version, patches_dir)
+        names = parse_series_file((series_dir / SERIES_FILE_NAME).read_text(encoding="utf-8"))
+        for name in names:
+            if not (series_dir / name).is_file():
+                raise PatchError(
+                    f"{series_dir / SERIES_FILE_NAME} names {name}, which does not exist"
+                )
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise PatchError(f"{directory} exists and is not an empty directory")
     git_executable()
@@ -258,6 +270,31 @@ def extract_sdist(sdist: Path, version: str, directory: Path) -> None:
         if directory.exists():
             directory.rmdir()
         os.replace(Path(tmp) / top, directory)
+
+
+def pristine_tree(version: str) -> Path:
+    """Return a directory holding vLLM ``version``'s pristine ``vllm/`` package from its sdist.
+
+    Extracted once into the cache (``pristine/vllm-<version>/``) and reused; callers mirror
+    or copy it and never write into it. Only the Python sources are there: the sdist has
+    no compiled extensions.
+    """
+    root = cache_dir() / "pristine" / f"vllm-{version}"
+    if (root / "vllm" / "__init__.py").is_file():
+        return root
+    sdist = fetch_sdist(version)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    top = f"vllm-{version}/"
+    with tempfile.TemporaryDirectory(prefix=".vllm-minimax-pristine-", dir=root.parent) as tmp:
+        with tarfile.open(sdist, "r:gz") as archive:
+            members = [m for m in archive.getmembers() if m.name.startswith(top + "vllm/")]
+            archive.extractall(tmp, members=members, filter="data")
+        try:
+            os.replace(Path(tmp) / top, root)
+        except OSError:
+            if not (root / "vllm" / "__init__.py").is_file():
+                raise
+    return root
 
 
 def patch_commits(directory: Path, version: str) -> list[str]:

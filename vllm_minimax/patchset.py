@@ -1078,6 +1078,14 @@ def _check_existing_state(
     root: Path, state: AppliedState, series_dir: Path, patches: list[Patch]
 ) -> None:
     """Return quietly when the recorded state is exactly this series fully applied."""
+    version = read_vllm_version(root)
+    if state.series != series_dir.name and state.vllm_version != version:
+        raise PatchError(
+            f"{root} carries the {state.series} series (applied to vLLM {state.vllm_version}),"
+            f" but its vLLM is now {version}, whose series is {series_dir.name}; a series only"
+            f" goes on its own release. Run `vllm-minimax revert` (it restores the files"
+            f" {state.series} changed), then apply. Nothing was changed"
+        )
     file_states = {record.path: recorded_file_state(root, record) for record in state.files}
     not_applied = {path: s for path, s in file_states.items() if s != "as-applied"}
     if not_applied:
@@ -1250,7 +1258,10 @@ def _series_state(root: Path, patches_dir: Path | None) -> SeriesState:
         files = [(record.path, recorded_file_state(root, record)) for record in state.files]
         problem = None
         if series_dir is None or state.series != series_dir.name:
-            problem = f"the applied series {state.series} is not the series for vLLM {version}"
+            problem = (
+                f"the applied series {state.series} (for vLLM {state.vllm_version}) is not the"
+                f" series for vLLM {version}; run `vllm-minimax revert`"
+            )
         elif series_fingerprint(read_series(series_dir)) != state.patches:
             problem = (
                 f"{series_dir} has changed since it was applied; run `vllm-minimax revert`"

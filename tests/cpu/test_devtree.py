@@ -194,3 +194,28 @@ def test_export_is_deterministic_and_replaces_old_patches(tmp_path: Path) -> Non
     )
     devtree.export(checkout, patches_dir=patches_root)
     assert series_bytes(stale_dir) == first
+
+
+PRISTINE_COMMIT_0_33_0 = "4f100a2dc5e71c6c7f9f68253e916a5ea82c6817"
+
+
+@pytest.mark.slow
+def test_the_0_33_0_series_round_trips_and_pristine_stops_at_the_tag(tmp_path: Path) -> None:
+    """The 0.33.0 series (made by the cherry-pick port of docs/rebasing.md) goes on its
+    pristine tree commit by commit and exports to the same bytes; `--pristine` gives the
+    same pristine commit and nothing on top."""
+    series_dir = REAL_PATCHES_ROOT / "vllm-0.33.0"
+    full = tmp_path / "full"
+    made = devtree.checkout("0.33.0", full, patches_dir=REAL_PATCHES_ROOT)
+    assert git_out(full, "rev-parse", "vllm-0.33.0").strip() == PRISTINE_COMMIT_0_33_0
+    assert len(made.patch_commits) == len(read_series(series_dir))
+    patches_root = copy_patches_root(tmp_path / "patches")
+    exported = devtree.export(full, patches_dir=patches_root)
+    assert series_bytes(exported.series_dir) == series_bytes(series_dir)
+
+    bare = tmp_path / "bare"
+    pristine = devtree.checkout(
+        "0.33.0", bare, patches_dir=tmp_path / "no-series", with_series=False
+    )
+    assert pristine.patch_commits == []
+    assert git_out(bare, "rev-parse", "HEAD").strip() == PRISTINE_COMMIT_0_33_0

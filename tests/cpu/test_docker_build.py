@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from patchset_helpers import REPO_ROOT, installed_vllm_site, real_series_paths, tree_manifest
 
-from vllm_minimax import patchset
+from vllm_minimax import devtree, patchset
 
 BUILD_SH = REPO_ROOT / "docker" / "build.sh"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
@@ -70,7 +70,7 @@ def test_version_without_a_series_fails_clearly_and_changes_nothing(tmp_path):
     result = run_build("--skip-pip", TARGET=str(target))
     assert result.returncode == 1
     assert "build.sh: error: no patch series for vLLM 0.33.9" in result.stderr
-    assert "supported vLLM versions: 0.34.0" in result.stderr
+    assert "supported vLLM versions: 0.33.0, 0.34.0" in result.stderr
     assert tree_manifest(target) == before
 
 
@@ -80,6 +80,45 @@ def test_image_tag_mismatch_fails_clearly(tmp_path):
     result = run_build("--skip-pip", TARGET=str(target), EXPECTED_VLLM_VERSION="0.35.0")
     assert result.returncode == 1
     assert "is 0.34.0, but this build expects 0.35.0" in result.stderr
+    assert tree_manifest(target) == before
+
+
+def pristine_033(root: Path) -> Path:
+    """vLLM 0.33.0's files the 0.33.0 series reads, from its sdist (cached)."""
+    source = devtree.pristine_tree("0.33.0")
+    series = patchset.read_series(patchset.require_series_dir("0.33.0"))
+    for rel in ["vllm/_version.py", *patchset.touched_paths(series)]:
+        if (source / rel).is_file():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source / rel, root / rel)
+    return root
+
+
+def test_image_tag_v0_33_0_applies_the_0_33_0_series(tmp_path):
+    """VLLM_IMAGE_TAG=v0.33.0 (the Dockerfile passes EXPECTED_VLLM_VERSION=0.33.0) on
+    vLLM 0.33.0's own files: the 0.33.0 series goes on and status is clean."""
+    target = pristine_033(tmp_path / "site")
+    result = run_build("--skip-pip", TARGET=str(target), EXPECTED_VLLM_VERSION="0.33.0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "vLLM 0.33.0" in result.stdout and "series vllm-0.33.0" in result.stdout
+    assert "state:        applied (vllm-0.33.0)" in result.stdout
+    state = patchset.series_state(target)
+    assert state.applied and state.clean and state.series_dir is not None
+    assert state.series_dir.name == "vllm-0.33.0"
+
+
+@pytest.mark.parametrize(
+    ("tree", "tag_version"), [("0.33.0", "0.34.0"), ("0.34.0", "0.33.0")], ids=str
+)
+def test_tag_of_the_other_supported_release_is_refused(tmp_path, tree, tag_version):
+    """Both releases have a series, so only the tag check stands between a v0.34.0 build
+    and a 0.33.0 tree (and back): it refuses before anything is written."""
+    site = tmp_path / "site"
+    target = pristine_033(site) if tree == "0.33.0" else scratch_vllm(site)
+    before = tree_manifest(target)
+    result = run_build("--skip-pip", TARGET=str(target), EXPECTED_VLLM_VERSION=tag_version)
+    assert result.returncode == 1
+    assert f"is {tree}, but this build expects {tag_version}" in result.stderr
     assert tree_manifest(target) == before
 
 

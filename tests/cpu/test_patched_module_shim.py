@@ -140,3 +140,20 @@ def test_vector_invariants_catch_poison_and_order():
     assert not vector_invariants(sel, nvp, fb=0, fe=1)
     sel[0, 0, 5] = -7
     assert any("unwritten" in p for p in vector_invariants(sel, nvp, fb=0, fe=1))
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.34.0"])
+def test_series_version_env_picks_the_series(monkeypatch, version):
+    """`VLLM_MINIMAX_SERIES_VERSION` (what tests/gpu runs under for another release) makes
+    the loader build the file from that release's series."""
+    monkeypatch.setenv(pm.SERIES_VERSION_ENV, version)
+    module = pm.load_patched_module(pm.reference_msa_ops(), name=f"_pm_{version[2:4]}")
+    assert module.__file__ == f"vllm-{version} series::{pm.NEW_FILE}"
+    assert hasattr(module, "MiniMaxM3IndexerFlashInferImpl")
+
+
+def test_series_version_env_without_a_series_lists_the_supported(monkeypatch):
+    monkeypatch.setenv(pm.SERIES_VERSION_ENV, "0.35.0")
+    supported = r"supported vLLM versions: 0\.33\.0, 0\.34\.0"
+    with pytest.raises(pm.patchset.PatchError, match=supported):
+        pm.load_patched_module(pm.reference_msa_ops())

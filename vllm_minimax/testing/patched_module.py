@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -46,11 +47,18 @@ import torch
 from vllm_minimax import patchset
 
 SERIES_VERSION = "0.34.0"
+# Names the series (a supported vLLM version) the loader builds the file from.
+SERIES_VERSION_ENV = "VLLM_MINIMAX_SERIES_VERSION"
 NEW_FILE = "vllm/models/minimax_m3/nvidia/indexer_flashinfer.py"
 MODULE_NAME = "vllm_minimax._patched_indexer_flashinfer"
 
 
-def patched_source(version: str = SERIES_VERSION, path: str = NEW_FILE) -> str:
+def series_version() -> str:
+    """The series the loader uses: `$VLLM_MINIMAX_SERIES_VERSION`, else 0.34.0's."""
+    return os.environ.get(SERIES_VERSION_ENV, "").strip() or SERIES_VERSION
+
+
+def patched_source(version: str | None = None, path: str = NEW_FILE) -> str:
     """Source of `path` as the series for vLLM `version` creates it.
 
     The series is found the way `vllm-minimax apply` finds it
@@ -58,6 +66,7 @@ def patched_source(version: str = SERIES_VERSION, path: str = NEW_FILE) -> str:
     patches that touch it, in series order, in an empty directory; the stand-ins
     below are vLLM 0.34.0's, so other versions are for comparison only.
     """
+    version = version or series_version()
     patches = [
         patch
         for patch in patchset.read_series(patchset.require_series_dir(version))
@@ -88,6 +97,36 @@ def patched_source(version: str = SERIES_VERSION, path: str = NEW_FILE) -> str:
 # ---------------------------------------------------------------------------
 # Stand-ins for the vLLM 0.34.0 names the patched module imports.
 # ---------------------------------------------------------------------------
+def indexer_text_config(
+    *,
+    index_n_heads: int,
+    index_local_blocks: int | None = 1,
+    index_topk_blocks: int = 16,
+    index_head_dim: int = 128,
+    index_block_size: int = 128,
+) -> SimpleNamespace:
+    """A model text config with the indexer geometry as every supported vLLM reads it:
+    0.34.0's flat ``index_*`` fields and 0.33.0's ``sparse_attention_config`` dict
+    (``sparse_num_index_heads``, ``sparse_local_block``, ...). ``index_local_blocks=None``
+    leaves the local window out of both."""
+    sparse = {
+        "sparse_num_index_heads": index_n_heads,
+        "sparse_topk_blocks": index_topk_blocks,
+        "sparse_index_dim": index_head_dim,
+        "sparse_block_size": index_block_size,
+    }
+    flat: dict[str, Any] = {
+        "index_n_heads": index_n_heads,
+        "index_topk_blocks": index_topk_blocks,
+        "index_head_dim": index_head_dim,
+        "index_block_size": index_block_size,
+    }
+    if index_local_blocks is not None:
+        sparse["sparse_local_block"] = index_local_blocks
+        flat["index_local_blocks"] = index_local_blocks
+    return SimpleNamespace(**flat, sparse_attention_config=sparse)
+
+
 class VllmConfig:
     """Just what the builders and the impl read: model_config.hf_config and
     max_model_len, scheduler_config.max_num_batched_tokens."""
@@ -102,7 +141,7 @@ class VllmConfig:
         max_model_len: int = 262144,
         num_speculative_tokens: int = 0,
     ) -> None:
-        text_config = SimpleNamespace(
+        text_config = indexer_text_config(
             index_n_heads=index_n_heads,
             index_local_blocks=index_local_blocks,
             index_topk_blocks=index_topk_blocks,
@@ -533,9 +572,10 @@ def load_patched_module(
     The module's globals `msa_proxy_score`/`msa_topk_select` may also be
     replaced afterwards.
     """
-    source = patched_source()
+    version = series_version()
+    source = patched_source(version)
     module = types.ModuleType(name)
-    module.__file__ = f"vllm-{SERIES_VERSION} series::{NEW_FILE}"
+    module.__file__ = f"vllm-{version} series::{NEW_FILE}"
     with temporary_modules(_shim_modules(msa_ops)):
         # dataclasses resolve string annotations through sys.modules[__module__].
         sys.modules[name] = module

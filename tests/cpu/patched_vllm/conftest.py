@@ -1,11 +1,17 @@
-"""Make this test directory import the patched real vLLM 0.34.0.
+"""Make this test directory import a patched real vLLM.
 
-The installed vLLM is mirrored into a temporary directory as a tree of symlinks;
+The vLLM under test is mirrored into a temporary directory as a tree of symlinks;
 the files the series touches are real copies, and `vllm-minimax apply` patches
-them there. That tree goes first on `sys.path` before anything imports vLLM, so
-these tests run vLLM's own code with the series applied while the installed
-package stays pristine. This directory runs in its own pytest process
-(`scripts/test`), because a process can hold only one `vllm` package.
+them there, with the series it picks for that tree's version. That tree goes
+first on `sys.path` before anything imports vLLM, so these tests run vLLM's own
+code with the series applied while the source stays pristine. This directory
+runs in its own pytest process (`scripts/test`), because a process can hold only
+one `vllm` package.
+
+By default the vLLM under test is the installed one. `VLLM_MINIMAX_TEST_VLLM=X.Y.Z`
+takes release X.Y.Z's pristine Python sources from its sdist instead
+(`devtree.pristine_tree`), on the installed torch, transformers and FlashInfer;
+`scripts/test` runs this directory so against every other supported release.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_minimax import patchset
+from vllm_minimax import devtree, patchset
+
+TEST_VLLM_ENV = "VLLM_MINIMAX_TEST_VLLM"
 
 
 def _installed_vllm_root() -> Path:
@@ -29,25 +37,37 @@ def _installed_vllm_root() -> Path:
     return Path(next(iter(spec.submodule_search_locations))).parent
 
 
+def _source_vllm_root() -> Path:
+    installed = _installed_vllm_root()
+    wanted = os.environ.get(TEST_VLLM_ENV, "").strip()
+    if not wanted or wanted == patchset.read_vllm_version(installed):
+        return installed
+    if patchset.series_dir_for(wanted) is None:
+        supported = ", ".join(patchset.supported_versions())
+        raise pytest.UsageError(f"{TEST_VLLM_ENV}={wanted}: no series; supported: {supported}")
+    return devtree.pristine_tree(wanted)
+
+
 def _build_patched_tree() -> Path:
     assert "vllm" not in sys.modules, "vLLM was imported before the patched tree was set up"
-    installed = _installed_vllm_root()
+    source = _source_vllm_root()
     root = Path(tempfile.mkdtemp(prefix="patched-vllm-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
-    for directory, subdirs, files in os.walk(installed / "vllm"):
+    for directory, subdirs, files in os.walk(source / "vllm"):
         subdirs[:] = [d for d in subdirs if d != "__pycache__"]
-        mirror = root / Path(directory).relative_to(installed)
+        mirror = root / Path(directory).relative_to(source)
         mirror.mkdir(parents=True, exist_ok=True)
         for name in files:
             (mirror / name).symlink_to(Path(directory) / name)
-    series_dir = patchset.require_series_dir(patchset.read_vllm_version(installed))
+    series_dir = patchset.require_series_dir(patchset.read_vllm_version(source))
     for rel in patchset.touched_paths(patchset.read_series(series_dir)):
         copy = root / rel
         if copy.is_symlink():
             copy.unlink()
-            shutil.copy2(installed / rel, copy)
+            shutil.copy2(source / rel, copy)
     result = patchset.apply_series(root)
     assert not result.already_applied
+    assert result.series_dir == series_dir
     return root
 
 
@@ -59,6 +79,12 @@ sys.path.insert(0, str(PATCHED_VLLM_ROOT))
 def patched_vllm_root() -> Path:
     """The temporary vLLM tree these tests import, with the series applied."""
     return PATCHED_VLLM_ROOT
+
+
+@pytest.fixture(scope="session")
+def vllm_version() -> str:
+    """The release under test (its series is the one applied)."""
+    return patchset.read_vllm_version(PATCHED_VLLM_ROOT)
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,7 @@ from vllm.models.minimax_m3.nvidia import indexer_flashinfer as fi_mod
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_minimax.testing import reference
+from vllm_minimax.testing.patched_module import indexer_text_config
 
 PAGE = 128
 POISON = -7
@@ -101,7 +102,7 @@ def single_rank(monkeypatch):
 
 
 def make_builder(index_heads: int = 1, local_blocks: int = 1, threshold: int = 1):
-    text_config = types.SimpleNamespace(index_n_heads=index_heads, index_local_blocks=local_blocks)
+    text_config = indexer_text_config(index_n_heads=index_heads, index_local_blocks=local_blocks)
     vllm_config = types.SimpleNamespace(
         model_config=types.SimpleNamespace(
             hf_config=types.SimpleNamespace(text_config=text_config)

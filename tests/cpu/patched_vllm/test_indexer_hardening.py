@@ -22,6 +22,7 @@ from vllm.models.minimax_m3.nvidia import indexer_flashinfer as fi_mod
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_minimax.testing import reference
+from vllm_minimax.testing.patched_module import indexer_text_config
 
 PAGE = 128
 POISON = -7
@@ -62,7 +63,7 @@ def num_pages(md: CommonAttentionMetadata) -> int:
 
 
 def make_builder(*, threshold: int = 1, block_size: int = PAGE, text_config=None):
-    text_config = text_config or types.SimpleNamespace(index_n_heads=1, index_local_blocks=1)
+    text_config = text_config or indexer_text_config(index_n_heads=1, index_local_blocks=1)
     vllm_config = types.SimpleNamespace(
         model_config=types.SimpleNamespace(
             hf_config=types.SimpleNamespace(text_config=text_config)
@@ -377,8 +378,8 @@ def test_builder_takes_an_index_cache_of_128_token_pages():
 @pytest.mark.parametrize(
     "text_config",
     [
-        types.SimpleNamespace(index_n_heads=1, index_local_blocks=1),  # the target's
-        types.SimpleNamespace(index_n_heads=1),  # no index_local_blocks at all
+        indexer_text_config(index_n_heads=1, index_local_blocks=1),  # the target's
+        indexer_text_config(index_n_heads=1, index_local_blocks=None),  # no local window
     ],
     ids=["target-config-says-1", "config-says-nothing"],
 )

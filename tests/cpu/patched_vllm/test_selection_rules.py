@@ -2,16 +2,17 @@
 
 `test_selection.py` computes its expectation with a function that follows the
 gate's decision order; if that order were wrong, both would agree. Each row here
-states one configuration and its outcome as the README's gating rules and vLLM
-0.34.0's own selection (MSA on the SM100 family with topk 16, Triton elsewhere,
-nvfp4 only on SM100/SM103/SM107) say it, varying the index-head count, which
-the matrix keeps at 1: on SM90 only 1, 2 or 4 index heads per rank take
+states one configuration and its outcome as the README's gating rules and the
+release's own selection (MSA on the SM100 family with topk 16, Triton elsewhere;
+nvfp4 only on SM100/SM103/SM107 in 0.34.0, nowhere in 0.33.0) say it, varying
+the index-head count, which the matrix keeps at 1: on SM90 only 1, 2 or 4 index heads per rank take
 FlashInfer; SM120/SM121 take any count.
 """
 
 from __future__ import annotations
 
 import pytest
+import vllm
 import vllm.utils.flashinfer as fi_utils
 
 from vllm_minimax.probe import select_indexer
@@ -45,19 +46,32 @@ ROWS = [
     (((12, 1), "fp8", 3, 16, None, "flashinfer"), (FLASHINFER, "selected FlashInfer")),
     (((12, 0), "bf16", 8, 8, None, "flashinfer"), ("ValueError", "topk_blocks=8")),
     (((12, 0), "fp8", 4, 16, ABSENT, "auto"), (TRITON, "not installed")),
-    (((12, 0), "nvfp4", 1, 16, None, "auto"), ("NotImplementedError", "SM100, SM103 or SM107")),
     (((10, 0), "fp8", 1, 16, None, "auto"), (MSA, "selected MSA")),
     (((10, 0), "bf16", 8, 16, None, "auto"), (MSA, "selected MSA")),
     (((10, 3), "fp8", 4, 16, None, "auto"), (MSA, "selected MSA")),
     (((10, 0), "fp8", 2, 16, None, "triton"), (TRITON, "selected Triton")),
     (((10, 0), "bf16", 1, 16, None, "flashinfer"), ("ValueError", "cannot run here")),
     (((10, 0), "bf16", 1, 8, None, "auto"), (TRITON, "no fmha_sm100")),
-    (((10, 0), "nvfp4", 2, 16, None, "auto"), (NVFP4, "selected NVFP4")),
-    (((9, 0), "nvfp4", 1, 16, None, "flashinfer"), ("ValueError", "nvfp4")),
     (((8, 0), "bf16", 4, 16, None, "auto"), (TRITON, "no fmha_sm100")),
     (((8, 0), "fp8", 1, 16, None, "auto"), ("NotImplementedError", "requires CUDA fp8 support")),
     (((8, 9), "fp8", 2, 16, None, "auto"), (TRITON, "no fmha_sm100")),
 ]
+
+# An nvfp4 index cache, as each release treats it: 0.34.0's NVFP4 indexer runs on
+# SM100/SM103/SM107 only and takes no override; 0.33.0 has no NVFP4 indexer.
+NVFP4_ROWS = {
+    "0.34.0": [
+        (((12, 0), "nvfp4", 1, 16, None, "auto"), ("NotImplementedError", "SM100, SM103 or SM107")),
+        (((10, 0), "nvfp4", 2, 16, None, "auto"), (NVFP4, "selected NVFP4")),
+        (((9, 0), "nvfp4", 1, 16, None, "flashinfer"), ("ValueError", "nvfp4")),
+    ],
+    "0.33.0": [
+        (((12, 0), "nvfp4", 1, 16, None, "auto"), ("NotImplementedError", "CuteDSL indexer")),
+        (((10, 0), "nvfp4", 2, 16, None, "auto"), ("NotImplementedError", "CuteDSL indexer")),
+        (((9, 0), "nvfp4", 1, 16, None, "flashinfer"), ("NotImplementedError", "CuteDSL")),
+    ],
+}
+ROWS += NVFP4_ROWS[vllm.__version__]
 
 
 @pytest.mark.parametrize(("config", "outcome"), ROWS, ids=lambda v: "-".join(map(str, v)))
