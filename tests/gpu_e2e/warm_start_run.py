@@ -14,7 +14,16 @@ run is what a new geometry costs after ready, the other two its steady state.
 Shapes: prefills of 1k to max_num_batched_tokens tokens, prompts of 2k to 30k
 tokens (chunked), prompts of a few tokens, decode batches of 1 to 64 requests,
 a mixed batch (decodes beside a long prompt's chunks) and prefix-cache hits
-(a long cached prefix, then a few hundred or a single new token).
+(a long cached prefix, then a few hundred or a single new token). ``--workload quick``
+runs a few of them and ``--workload none`` none (a start-up time only).
+
+``--no-jit-warmup`` starts with ``kernel_config.enable_jit_warmup=False`` (vLLM
+then leaves its JIT monitor off too). A shape that fails (the JIT monitor in
+error mode raises on a compile) has its unfinished requests aborted, so the
+next shape starts on an idle engine. The result is rewritten after the start
+and after every shape, so a run cut by its time limit keeps what it measured;
+it ends with the sizes of the JIT caches named by ``FLASHINFER_WORKSPACE_BASE``,
+``TRITON_CACHE_DIR`` and ``VLLM_CACHE_ROOT``.
 """
 
 from __future__ import annotations
@@ -54,9 +63,36 @@ PREFIX_HITS: dict[str, tuple[int, int]] = {
     "prefix-16k-plus-1": (16384, 1),
 }
 REPEATS = 3
+QUICK_SHAPES = ("prefill-1k", "prompt-100", "decode-33", "mixed-8-decodes-12k")
+QUICK_PREFIX_HITS = ("prefix-16k-plus-200",)
+CACHE_ENV = ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "VLLM_CACHE_ROOT")
 
 
-def run(args: argparse.Namespace) -> dict:
+def write_result(path: Path, result: dict) -> None:
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(result))
+    os.replace(partial, path)
+
+
+def cache_sizes() -> dict[str, dict]:
+    """Bytes and files under each JIT cache directory this process was given."""
+    sizes = {}
+    for name in CACHE_ENV:
+        root = os.environ.get(name)
+        if not root:
+            continue
+        files = [p for p in Path(root).rglob("*") if p.is_file()]
+        sizes[name] = {"bytes": sum(p.stat().st_size for p in files), "files": len(files)}
+    return sizes
+
+
+def triton_kernels_cached() -> int:
+    """Compiled Triton kernels in TRITON_CACHE_DIR (one cubin per variant)."""
+    root = os.environ.get("TRITON_CACHE_DIR")
+    return len(list(Path(root).rglob("*.cubin"))) if root else 0
+
+
+def run(args: argparse.Namespace, result: dict) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from vllm import LLM, SamplingParams
@@ -75,10 +111,14 @@ def run(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_config={"indexer_kv_dtype": "fp8", "minimax_m3_indexer_backend": "flashinfer"},
         jit_monitor_mode="error",
+        kernel_config={"enable_jit_warmup": not args.no_jit_warmup},
     )
     ready = time.time()
     print(READY_MARKER, flush=True)
-    result: dict = {"engine_start_s": round(time.perf_counter() - started, 1), "ready": ready}
+    result.update(engine_start_s=round(time.perf_counter() - started, 1), ready=ready)
+    result["triton_kernels_at_ready"] = triton_kernels_cached()
+    write_result(args.out, result)
+    engine = llm.llm_engine
     vocab = llm.llm_engine.model_config.get_vocab_size()
     generator = torch.Generator().manual_seed(4321)
 
@@ -93,18 +133,31 @@ def run(args: argparse.Namespace) -> dict:
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - began
 
+    def failed(exc: Exception) -> dict:
+        # The engine keeps a failed step's requests; abort them so they do not
+        # join (and change) the next shape's batches.
+        unfinished = list(engine.output_processor.request_states)
+        engine.abort_request(unfinished)
+        return {"error": f"{type(exc).__name__}: {exc}", "aborted": len(unfinished)}
+
     shapes: dict[str, dict] = {}
+    result["shapes"] = shapes
     for name, spec in SHAPES.items():
+        if args.workload == "none" or (args.workload == "quick" and name not in QUICK_SHAPES):
+            continue
         seconds = []
         for _ in range(REPEATS):
             try:
                 seconds.append(timed([tokens(n) for n, _ in spec], [m for _, m in spec]))
             except Exception as exc:
-                shapes[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                shapes[name] = failed(exc)
                 break
         else:
             shapes[name] = {"seconds": [round(s, 4) for s in seconds]}
+        write_result(args.out, result)
     for name, (prefix_len, extra) in PREFIX_HITS.items():
+        if args.workload == "none" or (args.workload == "quick" and name not in QUICK_PREFIX_HITS):
+            continue
         seconds = []
         for _ in range(REPEATS):
             try:
@@ -112,12 +165,11 @@ def run(args: argparse.Namespace) -> dict:
                 timed([prefix], [1])  # caches the prefix (a context-16k shape)
                 seconds.append(timed([prefix + tokens(extra)], [1]))
             except Exception as exc:
-                shapes[name] = {"error": f"{type(exc).__name__}: {exc}"}
+                shapes[name] = failed(exc)
                 break
         else:
             shapes[name] = {"seconds": [round(s, 4) for s in seconds]}
-    result["shapes"] = shapes
-    return result
+        write_result(args.out, result)
 
 
 def read_build_log(path: Path) -> list[dict]:
@@ -131,6 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True)
     parser.add_argument("--cache-dir", type=Path, required=True)
     parser.add_argument("--eager", action="store_true", help="enforce_eager (JIT warm-up off)")
+    parser.add_argument(
+        "--no-jit-warmup", action="store_true", help="kernel_config.enable_jit_warmup=False"
+    )
+    parser.add_argument(
+        "--workload",
+        choices=("full", "quick", "none"),
+        default="full",
+        help="every shape, a few, or none (start-up time only)",
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -138,14 +199,25 @@ def main(argv: list[str] | None = None) -> int:
     assert os.environ.get("FLASHINFER_WORKSPACE_BASE") == str(args.cache_dir), (
         "set FLASHINFER_WORKSPACE_BASE to --cache-dir before the process starts"
     )
+    result: dict = {
+        "config": {
+            "eager": args.eager,
+            "jit_warmup": not (args.eager or args.no_jit_warmup),
+            "workload": args.workload,
+            "model": args.model,
+            "cache_dir": str(args.cache_dir),
+            "caches_at_start": cache_sizes(),
+        }
+    }
     try:
-        result = run(args)
+        run(args, result)
     except Exception as exc:
         traceback.print_exc()
-        result = {"error": f"{type(exc).__name__}: {exc}"}
+        result["error"] = f"{type(exc).__name__}: {exc}"
     result["builds"] = read_build_log(build_log)
-    result["config"] = {"eager": args.eager, "model": args.model, "cache_dir": str(args.cache_dir)}
-    args.out.write_text(json.dumps(result))
+    result["caches"] = cache_sizes()
+    result["triton_kernels"] = triton_kernels_cached()
+    write_result(args.out, result)
     print(f"warm_start_run: wrote {args.out}", flush=True)
     os._exit(0)
 
