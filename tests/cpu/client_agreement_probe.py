@@ -27,8 +27,8 @@ from typing import Any
 from vllm_minimax.evals import bench
 from vllm_minimax.evals.presets import RequestShape, ThroughputScenario
 from vllm_minimax.evals.throughput import (
-    RequestTiming,
     RequestTimeouts,
+    RequestTiming,
     Vocabulary,
     level_metrics,
     run_level,
@@ -108,7 +108,10 @@ def main() -> None:
         for concurrency in args.concurrency:
             for client in order:
                 before = server_counters(args.base_url)
-                record = own(concurrency) if client == "own" else vllm_bench(concurrency, round_number)
+                if client == "own":
+                    record = own(concurrency)
+                else:
+                    record = vllm_bench(concurrency, round_number)
                 after = server_counters(args.base_url)
                 served = {name: after[name] - before[name] for name in after}
                 levels.append(
