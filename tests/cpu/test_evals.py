@@ -871,3 +871,13 @@ def test_a_bench_run_stopped_keeps_its_levels_and_names_the_missing(
         assert "not measured: decode c=2 round 1, decode c=1 round 2" in str(raised.value)
     report_text = report.throughput_markdown(written)
     assert f"Not measured: {', '.join(missing)}." in report_text
+
+
+def test_missing_levels_count_a_concurrency_listed_twice():
+    from vllm_minimax.evals.throughput import missing_levels
+
+    scenario = {"name": "s", "concurrency": [1, 2, 1], "levels": [{"concurrency": 1, "round": 0}]}
+    assert missing_levels({"repeat": 1, "scenarios": [scenario]}) == [
+        "s c=2 round 1",
+        "s c=1 round 1",
+    ]

@@ -34,6 +34,7 @@ import json
 import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -289,16 +290,17 @@ def scenario_client(scenario: ThroughputScenario, client: str) -> str:
 
 
 def missing_levels(results: dict[str, Any], first_round: int = 0) -> list[str]:
-    """The planned levels (scenario x concurrency x round) that no record holds."""
+    """The planned levels (scenario x concurrency x round) that no record holds, in the
+    order they would have run; a concurrency listed twice is planned twice."""
     missing = []
     for scenario in results["scenarios"]:
-        have = {(level["concurrency"], level["round"]) for level in scenario["levels"]}
-        missing += [
-            f"{scenario['name']} c={concurrency} round {round_number + 1}"
-            for round_number in range(first_round, first_round + results["repeat"])
-            for concurrency in scenario["concurrency"]
-            if (concurrency, round_number) not in have
-        ]
+        have = Counter((level["concurrency"], level["round"]) for level in scenario["levels"])
+        for round_number in range(first_round, first_round + results["repeat"]):
+            for concurrency in scenario["concurrency"]:
+                if have[concurrency, round_number]:
+                    have[concurrency, round_number] -= 1
+                else:
+                    missing.append(f"{scenario['name']} c={concurrency} round {round_number + 1}")
     return missing
 
 
