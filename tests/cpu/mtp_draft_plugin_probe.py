@@ -1,22 +1,25 @@
 """What a served engine's processes see of the tiny MTP draft's registration; JSON out.
 
-    python tests/cpu/mtp_draft_plugin_probe.py [--install-in-parent]
+    python tests/cpu/mtp_draft_plugin_probe.py
 
 Run by test_mtp_draft_plugin.py in a fresh interpreter, standing for `vllm serve`'s
-API server process: it loads vLLM's general plugins as `EngineArgs` does there
-(or, with `--install-in-parent`, calls `mtp_draft.install()` itself, as the old
-launcher did), then records whether any MiniMax M3 model module got imported and
-whether torch's CUDA state was initialised. It then starts a child through
-vLLM's own `get_mp_context()` (the test sets `VLLM_WORKER_MULTIPROC_METHOD=spawn`,
-the method vLLM falls back to once CUDA is initialised), which loads the general
-plugins as vLLM's engine core does at its start and reports the class vLLM's
-model registry would import for the draft's architecture.
+API server process, with the plugin's distribution on `PYTHONPATH`: it loads
+vLLM's general plugins as `EngineArgs` does there, then records the class vLLM's
+model registry would import for the draft's architecture, whether any MiniMax M3
+model module got imported and whether torch's CUDA state was initialised.
+
+It then starts two children through vLLM's own `get_mp_context()` (the test sets
+`VLLM_WORKER_MULTIPROC_METHOD=spawn`, the method vLLM falls back to once CUDA is
+initialised), each loading the general plugins as vLLM's engine core does at its
+start and reporting the registry's class: one as vLLM would, one with
+`VLLM_PLUGINS=""` (vLLM's allowlist, matching no plugin), which leaves it only
+what the parent set up.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import sys
 
 
@@ -29,28 +32,20 @@ def registered_draft_class() -> str:
     return f"{entry.module_name}:{entry.class_name}"
 
 
-def engine_process(queue) -> None:
+def engine_process(queue, plugins_allowed: bool) -> None:
+    if not plugins_allowed:
+        os.environ["VLLM_PLUGINS"] = ""
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
     queue.put(registered_draft_class())
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--install-in-parent", action="store_true")
-    args = parser.parse_args(argv)
-
+def main() -> int:
     import torch
+    from vllm.plugins import load_general_plugins
 
-    if args.install_in_parent:
-        from vllm_minimax.testing import mtp_draft
-
-        mtp_draft.install()
-    else:
-        from vllm.plugins import load_general_plugins
-
-        load_general_plugins()
+    load_general_plugins()
     parent = {
         "draft_class": registered_draft_class(),
         "model_modules_imported": sorted(
@@ -61,21 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.utils.system_utils import get_mp_context
 
     context = get_mp_context()
-    queue = context.Queue()
-    child = context.Process(target=engine_process, args=(queue,))
-    child.start()
-    child_class = queue.get(timeout=300)
-    child.join(timeout=60)
-    print(
-        json.dumps(
-            {
-                "parent": parent,
-                "start_method": context.get_start_method(),
-                "child_draft_class": child_class,
-                "child_exitcode": child.exitcode,
-            }
-        )
-    )
+    children = {}
+    for label, plugins_allowed in (("with_plugins", True), ("without_plugins", False)):
+        queue = context.Queue()
+        child = context.Process(target=engine_process, args=(queue, plugins_allowed))
+        child.start()
+        children[label] = queue.get(timeout=300)
+        child.join(timeout=60)
+        children[f"{label}_exitcode"] = child.exitcode
+    report = {"parent": parent, "start_method": context.get_start_method(), **children}
+    print(json.dumps(report))
     return 0
 
 
