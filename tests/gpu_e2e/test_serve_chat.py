@@ -1,6 +1,6 @@
 """`vllm serve` of the tiny MiniMax M3 with the single-node config's chat settings.
 
-`serve_chat_setup.py` scales `configs/serve/h200-8x.yaml` to one GPU and the tiny
+`vllm_minimax/testing/serve_chat.py` scales `configs/serve/h200-8x.yaml` to one GPU and the tiny
 model (same parsers, auto tool choice, MTP K = 2, fp8 index cache, indexer on
 `auto`) and gives the server a tokenizer with MiniMax M3's reasoning markers; the
 scaled file is passed with `--config`, as a user would.
