@@ -14,8 +14,13 @@ draft is `TINY_DIR/mtp`. What it does, with vLLM's code throughout:
 - `--drop` leaves one checkpoint tensor out of the load (the strict check must
   then name it);
 - the target `MiniMaxM3SparseForCausalLM` on the meta device, then the draft
-  beside it with vLLM's empty prefix (which collides) and with the e2e harness's
-  `mtp_draft.install()` prefix (which does not).
+  beside it with vLLM's empty prefix (which collides) and, after the e2e
+  harness's `mtp_draft.install()`, as vLLM's registry resolves the draft's
+  architecture (the prefixed class, which does not collide).
+
+vLLM's own draft class is passed explicitly until then: `get_model_architecture`
+caches what the registry resolved for a model config, and the last build must be
+the registry's first resolution of the draft.
 
 Only the platform-bound choices vLLM makes at construction are pinned (this host
 has no GPU): the unquantized MoE backend (Triton) and the full-attention backend
@@ -60,6 +65,7 @@ def probe(tiny_dir: Path, drop: str | None = None) -> dict:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.models.minimax_m3 import MiniMaxM3MTP
 
     from vllm_minimax.testing import mtp_draft
 
@@ -101,7 +107,9 @@ def probe(tiny_dir: Path, drop: str | None = None) -> dict:
         initialize_model_parallel(1, 1)
 
         with torch.device("cpu"):
-            draft = initialize_model(vllm_config=vllm_config, model_config=draft_config)
+            draft = initialize_model(
+                vllm_config=vllm_config, model_config=draft_config, model_class=MiniMaxM3MTP
+            )
         result["unmapped_checkpoint_names"] = sorted(
             name for name in checkpoint if draft._map_checkpoint_name(name) is None
         )
@@ -124,14 +132,17 @@ def probe(tiny_dir: Path, drop: str | None = None) -> dict:
             initialize_model(vllm_config=vllm_config)
             result["target_layers"] = sorted(context)
             try:
-                initialize_model(vllm_config=vllm_config, model_config=draft_config)
+                initialize_model(
+                    vllm_config=vllm_config, model_config=draft_config, model_class=MiniMaxM3MTP
+                )
                 result["collision_error"] = None
             except ValueError as exc:
                 result["collision_error"] = str(exc)
             for name in set(context) - set(result["target_layers"]):
                 del context[name]
             mtp_draft.install()
-            initialize_model(vllm_config=vllm_config, model_config=draft_config)
+            prefixed = initialize_model(vllm_config=vllm_config, model_config=draft_config)
+            result["draft_class_after_install"] = type(prefixed).__qualname__
             result["draft_layers_with_harness_prefix"] = sorted(
                 set(context) - set(result["target_layers"])
             )

@@ -4,6 +4,7 @@ refuses a vLLM that has no series, or that is not the image tag's version."""
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import shutil
@@ -18,6 +19,14 @@ from vllm_minimax import devtree, patchset
 
 BUILD_SH = REPO_ROOT / "docker" / "build.sh"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
+DOCKERIGNORE = REPO_ROOT / ".dockerignore"
+# Where the image's `docker run` lines are documented.
+IMAGE_DOCS = [
+    DOCKERFILE,
+    REPO_ROOT / "README.md",
+    REPO_ROOT / "configs" / "serve" / "README.md",
+    *sorted((REPO_ROOT / "docs").glob("*.md")),
+]
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -144,6 +153,65 @@ def test_dockerfile_builds_from_the_series_image_and_keeps_its_entrypoint():
     assert "docker/build.sh" in text
     instructions = {line.split()[0] for line in text.splitlines() if line and line[0] != "#"}
     assert not instructions & {"ENTRYPOINT", "CMD"}, "the base image's entrypoint is kept"
+
+
+def dockerignored(relative: str, patterns: list[str]) -> bool:
+    """Whether Docker leaves `relative` out of the build context: a pattern matches the
+    path or one of its parent directories (a leading `**/` at any depth); the last
+    matching pattern wins, `!` re-includes."""
+    parts = relative.split("/")
+    candidates = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    ignored = False
+    for raw in patterns:
+        include = raw.startswith("!")
+        pattern = raw.removeprefix("!").strip("/")
+        if pattern.startswith("**/"):
+            tail = pattern.removeprefix("**/")
+            matched = any(
+                fnmatch.fnmatchcase("/".join(parts[start : n + 1]), tail)
+                for n in range(len(parts))
+                for start in range(n + 1)
+            )
+        else:
+            matched = any(fnmatch.fnmatchcase(candidate, pattern) for candidate in candidates)
+        if matched:
+            ignored = not include
+    return ignored
+
+
+def test_dockerignore_matching():
+    patterns = [".git", "**/__pycache__", "*.egg-info", "results", "!results/keep.md"]
+    assert dockerignored("results/h200/report.md", patterns)
+    assert not dockerignored("results/keep.md", patterns)
+    assert dockerignored("vllm_minimax/__pycache__/cli.pyc", patterns)
+    assert dockerignored("vllm_minimax.egg-info/PKG-INFO", patterns)
+    assert not dockerignored("configs/serve/h200-8x.yaml", patterns)
+
+
+def test_documented_image_config_paths_are_in_the_image():
+    """Each `/opt/vllm-minimax/...` path that a documented `docker run` line passes is a
+    repository file that the Dockerfile's `COPY . /opt/vllm-minimax` puts there (not left
+    out by .dockerignore)."""
+    copy = re.search(r"^COPY \. (/\S+)$", DOCKERFILE.read_text(), re.M)
+    assert copy, "the Dockerfile copies the repository with one `COPY . <dir>`"
+    image_root = copy.group(1).rstrip("/")
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    documented = {
+        (doc.relative_to(REPO_ROOT).as_posix(), path)
+        for doc in IMAGE_DOCS
+        for path in re.findall(rf"{re.escape(image_root)}/(\S+\.yaml)", doc.read_text())
+    }
+    assert {path for _, path in documented} >= {
+        "configs/serve/h200-8x.yaml",
+        "configs/serve/h100-16x-2node.yaml",
+    }, documented
+    for doc, path in sorted(documented):
+        assert (REPO_ROOT / path).is_file(), f"{doc} passes {image_root}/{path}: no such file"
+        assert not dockerignored(path, patterns), f"{doc}: .dockerignore leaves {path} out"
 
 
 @pytest.mark.parametrize(

@@ -225,10 +225,12 @@ def test_strict_check_catches_a_missing_draft_weight(tiny_mtp_dir):
 
 
 def test_draft_layer_names_collide_with_the_text_target_unless_prefixed(draft_probe):
-    """Why the GPU e2e harness installs `tests/gpu_e2e/mtp_draft.py`: with vLLM's empty
-    draft prefix, MTP module 0's attention is named like the target's layer 0."""
+    """Why the GPU e2e harness installs `vllm_minimax/testing/mtp_draft.py`: with vLLM's
+    empty draft prefix, MTP module 0's attention is named like the target's layer 0; after
+    `install()`, vLLM's registry builds the prefixed class for the draft's architecture."""
     assert "model.layers.0.self_attn.attn" in draft_probe["target_layers"]
     assert draft_probe["collision_error"] == "Duplicate layer name: model.layers.0.self_attn.attn"
+    assert draft_probe["draft_class_after_install"] == "PrefixedMiniMaxM3MTP"
     prefixed = draft_probe["draft_layers_with_harness_prefix"]
     expected = {
         f"mtp.model.layers.{m}.{layer}"

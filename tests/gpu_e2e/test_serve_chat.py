@@ -1,14 +1,18 @@
 """`vllm serve` of the tiny MiniMax M3 with the single-node config's chat settings.
 
-`serve_chat_setup.py` scales `configs/serve/h200-8x.yaml` to one GPU and the tiny
+`vllm_minimax/testing/serve_chat.py` scales `configs/serve/h200-8x.yaml` to one GPU and the tiny
 model (same parsers, auto tool choice, MTP K = 2, fp8 index cache, indexer on
 `auto`) and gives the server a tokenizer with MiniMax M3's reasoning markers; the
 scaled file is passed with `--config`, as a user would.
 
-The server is started through `serve_chat_launcher.py`, which gives the MTP
-draft its layer prefix first (`mtp_draft.install()`; the tiny text-only target
-would otherwise own the draft's layer names) and then runs vLLM's OpenAI server
-as `python -m vllm.entrypoints.openai.api_server` does.
+The server is vLLM's own (`python -m vllm.entrypoints.openai.api_server`, what
+`vllm serve` runs). The tiny text-only target would own the MTP draft's layer
+names, so the draft needs its prefix (`vllm_minimax/testing/mtp_draft.py`): the
+fixture declares `mtp_draft.install` as a `vllm.general_plugins` entry point on
+the server's `PYTHONPATH`, which vLLM loads in the API server, the engine core and
+the worker. The engine core is started with `spawn` (`VLLM_WORKER_MULTIPROC_METHOD`),
+so the draft's prefix can only have come through that plugin, not from anything
+the API server process set up.
 
 The random model calls no tool: the test checks that the request with `tools` is
 accepted and parsed into a well-formed choice, not what it says.
@@ -17,14 +21,15 @@ accepted and parsed into a well-formed choice, not what it says.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from vllm_minimax.evals.server import VllmServer
+from vllm_minimax.testing import mtp_draft
 from vllm_minimax.testing.serve_chat import (
     WEATHER_TOOL,
     tokenizer_with_reasoning_markers,
@@ -32,7 +37,6 @@ from vllm_minimax.testing.serve_chat import (
 )
 from vllm_minimax.tiny_model import MTP_SUBDIRECTORY
 
-HERE = Path(__file__).parent
 START_TIMEOUT_S = 540
 SERVED_NAME = "tiny-minimax-m3-chat"
 
@@ -69,16 +73,19 @@ def server(tiny_model, e2e_dir):
     shutil.rmtree(tokenizer_dir, ignore_errors=True)
     tokenizer_with_reasoning_markers(tiny_model, tokenizer_dir)
     config_path = write_scaled_config(tiny_model, e2e_dir / "serve-chat.yaml")
+    plugin_dir = e2e_dir / "serve-chat-plugin"
+    shutil.rmtree(plugin_dir, ignore_errors=True)
+    mtp_draft.write_plugin_distribution(plugin_dir)
+    python_path = os.pathsep.join([str(plugin_dir), *filter(None, [os.environ.get("PYTHONPATH")])])
     log_path = e2e_dir / "serve-chat.log"
     with VllmServer(
         model=str(tiny_model),
         log_path=log_path,
-        command=[sys.executable, str(HERE / "serve_chat_launcher.py")],
+        command=[sys.executable, "-m", "vllm.entrypoints.openai.api_server"],
         config=config_path,
         served_name=SERVED_NAME,
         extra_args=["--tokenizer", str(tokenizer_dir)],
-        # fork keeps the launcher's draft prefix in the engine core process.
-        env={"VLLM_WORKER_MULTIPROC_METHOD": "fork"},
+        env={"PYTHONPATH": python_path, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
         startup_timeout=START_TIMEOUT_S,
     ) as running:
         yield running.base_url, log_path
@@ -101,7 +108,6 @@ def test_server_selected_flashinfer_with_mtp_and_the_parsers(server):
         "'block_size': 128",
     ):
         assert expected in arguments, f"{expected} not in {arguments}"
-    assert "Overriding VLLM_WORKER_MULTIPROC_METHOD to 'spawn'" not in log
 
 
 def test_chat_request_with_tools_is_accepted_and_parsed(server):

@@ -12,6 +12,8 @@ tiny model; its scaled config and tokenizer are checked here too."""
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +29,8 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from vllm_minimax.tiny_model import MTP_SUBDIRECTORY, make_tiny_model
 
-CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "serve"
+REPO = Path(__file__).resolve().parents[3]
+CONFIG_DIR = REPO / "configs" / "serve"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 SERVED_MODEL = "MiniMaxAI/MiniMax-M3"
 # FlashInfer's SM90 fp8 proxy score takes this many index heads per rank.
@@ -35,6 +38,9 @@ FLASHINFER_INDEX_HEADS_PER_RANK = (1, 2, 4)
 # Per node, the command-line arguments docs/deploy-multinode.md gives beside
 # `--config` (the address is a placeholder; any IP parses).
 HEAD_NODE_IP = "10.0.0.1"
+DOCUMENTED_HEAD_NODE_IP = "NODE0_IP"
+# Where the multi-node launch commands are documented.
+MULTI_NODE_DOCS = [REPO / "README.md", REPO / "docs" / "deploy-multinode.md"]
 MULTI_NODE_ARGS = {
     "h100-16x-2node.yaml": [
         ["--data-parallel-address", HEAD_NODE_IP],
@@ -205,6 +211,30 @@ def test_multi_node_config_parses_on_each_node(name):
         )
         assert parallel.world_size_across_dp == 16
         assert parallel.data_parallel_master_ip == HEAD_NODE_IP
+
+
+def documented_serve_arguments(text: str, config_name: str) -> list[list[str]]:
+    """The arguments after `--config .../CONFIG_NAME` of each `vllm serve` command in
+    `text` that serves that file, in order (shell line continuations joined)."""
+    commands = []
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        if "vllm serve " not in line or config_name not in line:
+            continue
+        argv = shlex.split(line[line.index("vllm serve ") :])
+        config_at = argv.index("--config")
+        assert argv[config_at + 1].endswith(config_name), line
+        commands.append(argv[config_at + 2 :])
+    return commands
+
+
+@pytest.mark.parametrize("doc", MULTI_NODE_DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("name", sorted(MULTI_NODE_ARGS))
+def test_the_documented_multi_node_launch_is_the_one_parsed_here(doc, name):
+    documented = [
+        [HEAD_NODE_IP if arg == DOCUMENTED_HEAD_NODE_IP else arg for arg in arguments]
+        for arguments in documented_serve_arguments(doc.read_text(), name)
+    ]
+    assert documented == MULTI_NODE_ARGS[name]
 
 
 # --- bad settings fail -----------------------------------------------------------------
