@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -62,9 +63,26 @@ def workspace_state(worker) -> dict:
     }
 
 
+def checkpoint_for_context(model: Path, max_model_len: int) -> Path:
+    """The checkpoint with its context raised to ``max_model_len`` (config.json's
+    ``max_position_embeddings``, the tokenizer's ``model_max_length``; other files
+    linked): vLLM sizes the rotary cache from the first, and positions past it
+    read outside that cache."""
+    raised = {"config.json": "max_position_embeddings", "tokenizer_config.json": "model_max_length"}
+    view = Path(tempfile.mkdtemp(prefix="workspace-model-"))
+    for item in model.iterdir():
+        key = raised.get(item.name)
+        if key is None:
+            (view / item.name).symlink_to(item.resolve())
+            continue
+        fields = json.loads(item.read_text())
+        fields[key] = max(int(fields.get(key) or 0), max_model_len)
+        (view / item.name).write_text(json.dumps(fields, indent=1))
+    return view
+
+
 def run(args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     import torch
 
     torch.cuda.set_per_process_memory_fraction(args.gpu_memory_utilization)
@@ -73,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
 
     started = time.perf_counter()
     llm = LLM(
-        model=args.model,
+        model=str(checkpoint_for_context(Path(args.model), args.max_model_len)),
         dtype="bfloat16",
         seed=0,
         max_model_len=args.max_model_len,
