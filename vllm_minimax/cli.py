@@ -165,6 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
         f" {MAX_MTP_MODULES} (default: 0, none)",
     )
     tiny_parser.add_argument(
+        "--for-vllm",
+        choices=tiny_model_config_layouts(),
+        default=None,
+        metavar="VERSION",
+        help="the vLLM release whose config parsing the config.json files are written for:"
+        " 0.34.0 (default: transformers' flat minimax_m3_vl_text, which transformers also"
+        " loads) or 0.33.0 (the published minimax_m3_vl schema, which vLLM 0.34.0 also serves"
+        " with the same geometry); the weights are the same bytes either way",
+    )
+    tiny_parser.add_argument(
         "--geometry",
         choices=tiny_model_geometries(),
         default="tiny",
@@ -305,6 +315,12 @@ def run_dev_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def tiny_model_config_layouts() -> tuple[str, ...]:
+    from vllm_minimax.tiny_model import CONFIG_LAYOUTS
+
+    return CONFIG_LAYOUTS
+
+
 def tiny_model_geometries() -> tuple[str, ...]:
     from vllm_minimax.tiny_model import GEOMETRIES
 
@@ -348,6 +364,10 @@ def run_make_rank_model(args: argparse.Namespace) -> int:
 def run_make_tiny_model(args: argparse.Namespace) -> int:
     from vllm_minimax import tiny_model
 
+    if args.for_vllm is not None and (
+        args.geometry != tiny_model.TINY_GEOMETRY or args.kind == "llama"
+    ):
+        raise PatchError("--for-vllm applies to the tiny MiniMax M3 (--geometry tiny) only")
     if args.geometry != tiny_model.TINY_GEOMETRY:
         return run_make_rank_model(args)
     if args.kind == "llama" and (args.initializer_range is not None or args.mtp_modules):
@@ -368,12 +388,17 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
     made = write_directory_whole(
         directory,
         lambda d: tiny_model.make_tiny_model(
-            d, seed=args.seed, initializer_range=initializer_range, mtp_modules=args.mtp_modules
+            d,
+            seed=args.seed,
+            initializer_range=initializer_range,
+            mtp_modules=args.mtp_modules,
+            config_layout=args.for_vllm or tiny_model.DEFAULT_CONFIG_LAYOUT,
         ),
     )
     print(
         f"wrote a tiny MiniMax M3 ({tiny_model.ARCHITECTURE}, {made['parameters']:,} parameters"
-        f" in {made['tensors']} tensors) to {directory}"
+        f" in {made['tensors']} tensors, config for vLLM"
+        f" {args.for_vllm or tiny_model.DEFAULT_CONFIG_LAYOUT}) to {directory}"
     )
     if "mtp" in made:
         draft = made["mtp"]

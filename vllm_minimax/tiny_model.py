@@ -25,6 +25,18 @@ fused over experts, ``self_attn.indexer.q_proj``, ...) and converts the publishe
 names on load only for ``minimax_m3_vl``; :func:`register_transformers_conversion`
 registers the same renames (without the VL prefixes) for the text model type.
 
+``config_layout="0.33.0"`` (``--for-vllm 0.33.0``) writes the same checkpoint (the weights and
+tokenizer are the same bytes) with the ``config.json`` files vLLM 0.33.0 parses: that release
+reads MiniMax M3 only through its own ``MiniMaxM3TextConfig``, in the published checkpoint's
+schema (``sparse_attention_config``, ``moe_layer_freq``, ``hidden_act`` ``swigluoai``,
+``rope_theta`` / ``partial_rotary_factor``), and reaches that class only through the
+``minimax_m3_vl`` wrapper (its config registry has no text model type; transformers'
+``minimax_m3_vl_text`` class drops ``sparse_attention_config`` and reports ``hidden_act``
+``silu``, which 0.33.0's MLP refuses). That wrapper also serves on vLLM 0.34.0 with the same
+geometry (transformers 5.22 converts the published schema), but transformers'
+``AutoModelForCausalLM`` does not load it, so the default stays the flat text config. Both
+layouts come from the one flat config (:func:`published_text_config`).
+
 ``mtp_modules=N`` (``--mtp-modules N``) also writes an MTP draft for speculative decoding, as
 the standalone checkpoint vLLM 0.34.0 loads with ``speculative_config={"method": "mtp",
 "model": DIR/mtp}``: ``mtp/config.json`` with ``model_type`` ``minimax_m3_mtp`` (vLLM's
@@ -75,6 +87,51 @@ MTP_MODEL_TYPE = "minimax_m3_mtp"
 # The draft checkpoint's directory inside the tiny model's (vLLM loads only the
 # target directory's top-level safetensors, so the two never mix).
 MTP_SUBDIRECTORY = "mtp"
+# The vLLM releases whose config parsing the config.json files can be written for (--for-vllm).
+CONFIG_LAYOUTS = ("0.34.0", "0.33.0")
+DEFAULT_CONFIG_LAYOUT = "0.34.0"
+# The published checkpoint's model type: vLLM 0.33.0's MiniMaxM3Config, transformers'
+# MiniMaxM3VLConfig.
+PUBLISHED_MODEL_TYPE = "minimax_m3_vl"
+# What transformers' and vLLM 0.34.0's MiniMax M3 hard-code and the published schema spells
+# out (vLLM 0.33.0's MiniMaxM3TextConfig reads them; its MLP refuses any other activation).
+PUBLISHED_FIXED_FIELDS: dict[str, Any] = {
+    "hidden_act": "swigluoai",
+    "swiglu_beta": 1.0,
+    "use_gemma_norm": True,
+    "use_qk_norm": True,
+    "qk_norm_type": "per_head",
+    "attention_output_gate": False,
+    "n_shared_experts": 1,
+    "scoring_func": "sigmoid",
+    "use_routing_bias": True,
+}
+# Flat fields the published schema spells the same way.
+PUBLISHED_SHARED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "dense_intermediate_size",
+    "shared_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rotary_dim",
+    "swiglu_alpha",
+    "swiglu_limit",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "routed_scaling_factor",
+    "tie_word_embeddings",
+    "initializer_range",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "dtype",
+)
 # transformers' default weight init std. A larger one makes attention sharper, so
 # a changed block selection moves the outputs more (the GPU end-to-end tests use 0.1).
 DEFAULT_INITIALIZER_RANGE = 0.02
@@ -217,9 +274,13 @@ def make_tiny_model(
     seed: int = 0,
     initializer_range: float = DEFAULT_INITIALIZER_RANGE,
     mtp_modules: int = 0,
+    config_layout: str = DEFAULT_CONFIG_LAYOUT,
 ) -> dict[str, Any]:
     """Write the tiny checkpoint into ``directory`` (and, with ``mtp_modules`` > 0, its MTP
-    draft into ``directory / MTP_SUBDIRECTORY``); return a short summary."""
+    draft into ``directory / MTP_SUBDIRECTORY``), its ``config.json`` files in the layout of
+    vLLM ``config_layout`` (one of ``CONFIG_LAYOUTS``); return a short summary."""
+    if config_layout not in CONFIG_LAYOUTS:
+        raise ValueError(f"config layout {config_layout!r}: one of {', '.join(CONFIG_LAYOUTS)}")
     import torch
     from safetensors.torch import save_file
     from transformers import MiniMaxM3VLForCausalLM
@@ -232,13 +293,8 @@ def make_tiny_model(
     model = MiniMaxM3VLForCausalLM(config).to(torch.bfloat16).eval()
     weights = to_checkpoint_names(model.state_dict())
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(directory)
-    # save_pretrained may drop fields equal to the class defaults; vLLM and
-    # readers of this file see the full geometry spelled out.
-    written = json.loads((directory / "config.json").read_text())
-    written.update(TINY_TEXT_CONFIG)
-    written["architectures"] = [ARCHITECTURE]
-    (directory / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
+    written = flat_config_json(config, directory)
+    _write_json(directory / "config.json", target_config_json(written, config_layout))
     parameters = sum(t.numel() for t in weights.values())
     summary: dict[str, Any] = {
         "directory": directory,
@@ -247,27 +303,131 @@ def make_tiny_model(
     }
     if mtp_modules > 0:
         summary["mtp"] = write_mtp_draft(
-            directory / MTP_SUBDIRECTORY, written, weights, mtp_modules, seed=seed + 1
+            directory / MTP_SUBDIRECTORY,
+            written,
+            weights,
+            mtp_modules,
+            seed=seed + 1,
+            config_layout=config_layout,
         )
     return summary
 
 
-def mtp_draft_config(target_config: dict[str, Any], mtp_modules: int) -> dict[str, Any]:
-    """The draft's ``config.json``: the target's text config as ``minimax_m3_mtp``.
+def flat_config_json(config, directory: Path) -> dict[str, Any]:
+    """``config`` as transformers saves it into ``directory``, with the whole geometry spelled
+    out (save_pretrained may drop fields equal to the class defaults) and the architecture."""
+    config.save_pretrained(directory)
+    written = json.loads((Path(directory) / "config.json").read_text())
+    written.update(TINY_TEXT_CONFIG)
+    written["architectures"] = [ARCHITECTURE]
+    return written
+
+
+def write_tiny_config_files(
+    directory: Path,
+    mtp_modules: int = 0,
+    config_layout: str = DEFAULT_CONFIG_LAYOUT,
+    initializer_range: float = DEFAULT_INITIALIZER_RANGE,
+) -> dict[str, Any]:
+    """The tiny checkpoint less its weights: the tokenizer and the ``config.json`` files
+    (target and, with ``mtp_modules`` > 0, draft) that :func:`make_tiny_model` writes, which
+    is all config parsing reads. Returns the flat config both layouts come from."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = flat_config_json(
+        tiny_config(build_tokenizer(directory), initializer_range), directory
+    )
+    _write_json(directory / "config.json", target_config_json(written, config_layout))
+    if mtp_modules > 0:
+        draft = directory / MTP_SUBDIRECTORY
+        draft.mkdir(exist_ok=True)
+        _write_json(draft / "config.json", mtp_draft_config(written, mtp_modules, config_layout))
+    return written
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def published_text_config(flat: dict[str, Any]) -> dict[str, Any]:
+    """``flat`` (a text config as transformers writes it) in the published checkpoint's schema,
+    the one vLLM 0.33.0's ``MiniMaxM3TextConfig`` reads: the index geometry in
+    ``sparse_attention_config``, the layer kinds as ``sparse_attention_freq`` /
+    ``moe_layer_freq``, RoPE as ``rope_theta`` and ``partial_rotary_factor`` (what
+    ``rope_parameters`` gives transformers and vLLM 0.34.0: they rotate ``head_dim *
+    partial_rotary_factor`` channels, whatever ``rotary_dim`` says).
+
+    vLLM 0.33.0 and 0.34.0 both size the shared expert from ``intermediate_size``, so a
+    ``shared_intermediate_size`` that differs would be read differently by transformers."""
+    if flat["shared_intermediate_size"] != flat["intermediate_size"]:
+        raise ValueError("vLLM sizes the shared expert from intermediate_size; keep both equal")
+    sparse_layers = [int(kind == "minimax_m3_sparse") for kind in flat["layer_types"]]
+    rope = flat["rope_parameters"]
+    text = {key: flat[key] for key in PUBLISHED_SHARED_FIELDS if key in flat}
+    text.update(PUBLISHED_FIXED_FIELDS)
+    text.update(
+        rope_theta=rope["rope_theta"],
+        partial_rotary_factor=rope.get("partial_rotary_factor", 1.0),
+        moe_layer_freq=[int(kind == "sparse") for kind in flat["mlp_layer_types"]],
+        sparse_attention_config={
+            "use_sparse_attention": True,
+            "sparse_attention_freq": sparse_layers,
+            # M3 has no index value/output projections on any sparse layer.
+            "sparse_disable_index_value": sparse_layers,
+            "sparse_num_index_heads": flat["index_n_heads"],
+            "sparse_index_dim": flat["index_head_dim"],
+            "sparse_block_size": flat["index_block_size"],
+            "sparse_topk_blocks": flat["index_topk_blocks"],
+            "sparse_local_block": flat["index_local_blocks"],
+            # transformers' and vLLM 0.34.0's indexers keep no leading blocks and score a
+            # block by its maximum.
+            "sparse_init_block": 0,
+            "sparse_score_type": "max",
+        },
+    )
+    return text
+
+
+def target_config_json(flat: dict[str, Any], config_layout: str) -> dict[str, Any]:
+    """The target's ``config.json`` for vLLM ``config_layout``: ``flat`` itself for 0.34.0,
+    the published ``minimax_m3_vl`` wrapper around :func:`published_text_config` for 0.33.0."""
+    if config_layout == DEFAULT_CONFIG_LAYOUT:
+        return flat
+    return {
+        "model_type": PUBLISHED_MODEL_TYPE,
+        "architectures": [ARCHITECTURE],
+        "dtype": flat["dtype"],
+        "tie_word_embeddings": flat["tie_word_embeddings"],
+        "text_config": published_text_config(flat),
+    }
+
+
+def mtp_draft_config(
+    target_config: dict[str, Any],
+    mtp_modules: int,
+    config_layout: str = DEFAULT_CONFIG_LAYOUT,
+) -> dict[str, Any]:
+    """The draft's ``config.json``: the target's flat text config as ``minimax_m3_mtp``, in
+    the layout of vLLM ``config_layout`` (0.33.0: the published schema, which both releases'
+    ``MiniMaxM3MTPConfig`` read).
 
     vLLM's ``MiniMaxM3MTPConfig`` keeps only the first ``num_hidden_layers`` layer types;
     the MTP layers are sparse-attention MoE layers whatever those say (vLLM builds them with
     ``force_sparse_attn`` and ``force_moe``), so they are spelled out as such."""
     config = dict(target_config)
     config.update(
-        model_type=MTP_MODEL_TYPE,
-        architectures=[MTP_ARCHITECTURE],
-        num_mtp_modules=mtp_modules,
         num_hidden_layers=1,
         layer_types=["minimax_m3_sparse"],
         mlp_layer_types=["sparse"],
     )
     config.pop("transformers_version", None)
+    if config_layout != DEFAULT_CONFIG_LAYOUT:
+        config = published_text_config(config)
+    config.update(
+        model_type=MTP_MODEL_TYPE,
+        architectures=[MTP_ARCHITECTURE],
+        num_mtp_modules=mtp_modules,
+    )
     return config
 
 
@@ -319,6 +479,7 @@ def write_mtp_draft(
     target_weights: dict[str, Any],
     mtp_modules: int,
     seed: int,
+    config_layout: str = DEFAULT_CONFIG_LAYOUT,
 ) -> dict[str, Any]:
     """Write the standalone MTP draft checkpoint; return a short summary."""
     from safetensors.torch import save_file
@@ -329,8 +490,9 @@ def write_mtp_draft(
     for shared in ("model.embed_tokens.weight", "lm_head.weight"):
         weights[shared] = target_weights[shared].clone().contiguous()
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    config = mtp_draft_config(target_config, mtp_modules)
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_json(
+        directory / "config.json", mtp_draft_config(target_config, mtp_modules, config_layout)
+    )
     parameters = sum(t.numel() for t in weights.values())
     return {"directory": directory, "tensors": len(weights), "parameters": parameters}
 

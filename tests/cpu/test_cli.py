@@ -72,6 +72,8 @@ def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]
     [
         (["--kind=llama", "--mtp-modules=1"], "apply to --kind minimax-m3 only"),
         (["--kind=llama", "--initializer-range=0.1"], "apply to --kind minimax-m3 only"),
+        (["--kind=llama", "--for-vllm=0.33.0"], "--for-vllm applies to the tiny MiniMax M3"),
+        (["--geometry=m3-tp8-rank", "--for-vllm=0.33.0"], "--for-vllm applies to the tiny"),
     ],
 )
 def test_make_tiny_model_refuses_options_it_would_ignore(
@@ -98,6 +100,7 @@ def test_make_tiny_model_refuses_options_it_would_ignore(
         ("--mtp-modules=1000", "1000 is not in [0, 8]"),
         ("--seed=-1", "-1 is not in [0, "),
         ("--seed=99999999999999999999", "is not in [0, "),
+        ("--for-vllm=0.32.0", "invalid choice: '0.32.0'"),
     ],
 )
 def test_make_tiny_model_refuses_absurd_numbers_before_writing(

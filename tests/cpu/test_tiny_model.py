@@ -1,6 +1,8 @@
 """`vllm-minimax make-tiny-model`: transformers loads and runs the checkpoint, and
 stock vLLM 0.34.0's config code and model registry accept it as MiniMax M3; with
-`--mtp-modules N`, vLLM's own MiniMaxM3MTP loads the draft strictly."""
+`--mtp-modules N`, vLLM's own MiniMaxM3MTP loads the draft strictly; `--for-vllm 0.33.0`
+changes only the config files, which vLLM 0.34.0 reads as the same geometry (0.33.0's own
+parsing: tests/cpu/patched_vllm/test_tiny_model_config.py)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,15 @@ def tiny_dir(tmp_path_factory) -> Path:
 def tiny_mtp_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tiny-minimax-m3-mtp")
     assert cli.main(["make-tiny-model", str(directory), f"--mtp-modules={MTP_MODULES}"]) == 0
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp_033_dir(tmp_path_factory) -> Path:
+    """The same checkpoint with the config.json files vLLM 0.33.0 parses."""
+    directory = tmp_path_factory.mktemp("tiny-minimax-m3-mtp-033")
+    argv = ["make-tiny-model", str(directory), f"--mtp-modules={MTP_MODULES}", "--for-vllm=0.33.0"]
+    assert cli.main(argv) == 0
     return directory
 
 
@@ -238,3 +249,82 @@ def test_draft_layer_names_collide_with_the_text_target_unless_prefixed(draft_pr
         for layer in ("self_attn.attn", "self_attn.attn.index_cache", "block_sparse_moe.experts")
     }
     assert set(prefixed) == expected
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(directory)): path.read_bytes()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def test_033_layout_changes_only_the_config_files(tiny_mtp_dir, tiny_mtp_033_dir):
+    default, layout_033 = _files(tiny_mtp_dir), _files(tiny_mtp_033_dir)
+    assert sorted(default) == sorted(layout_033)
+    differing = {name for name in default if default[name] != layout_033[name]}
+    assert differing == {"config.json", f"{MTP_SUBDIRECTORY}/config.json"}
+    target = json.loads(layout_033["config.json"])
+    assert (target["model_type"], target["architectures"]) == ("minimax_m3_vl", [ARCHITECTURE])
+    sparse = target["text_config"]["sparse_attention_config"]
+    assert sparse["sparse_attention_freq"] == [
+        int(kind == "minimax_m3_sparse") for kind in TINY_TEXT_CONFIG["layer_types"]
+    ]
+
+
+# What vLLM 0.34.0's MiniMax M3 and its config parsing read off the text config.
+GEOMETRY_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "dense_intermediate_size",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "routed_scaling_factor",
+    "rms_norm_eps",
+    "swiglu_alpha",
+    "swiglu_limit",
+    "vocab_size",
+    "index_n_heads",
+    "index_head_dim",
+    "index_block_size",
+    "index_topk_blocks",
+    "index_local_blocks",
+    "layer_types",
+    "mlp_layer_types",
+    "rope_parameters",
+)
+
+
+def _rotary_channels(text_config) -> int:
+    """What vLLM's get_rope rotates for MiniMax M3's rope_parameters."""
+    factor = text_config.rope_parameters.get("partial_rotary_factor", 1.0)
+    return int(text_config.head_dim * factor)
+
+
+def test_033_layout_serves_on_vllm_0340_with_the_same_geometry(tiny_mtp_dir, tiny_mtp_033_dir):
+    """Both layouts, through vLLM 0.34.0's own config parsing: the same architecture, context
+    and geometry (rope_parameters may spell the default factor out)."""
+    from vllm.config import ModelConfig
+    from vllm.transformers_utils.config import get_config
+
+    configs = [
+        ModelConfig(model=str(d), tokenizer=str(d)) for d in (tiny_mtp_dir, tiny_mtp_033_dir)
+    ]
+    assert [c.architecture for c in configs] == [ARCHITECTURE, ARCHITECTURE]
+    assert configs[0].max_model_len == configs[1].max_model_len
+    drafts = [
+        get_config(str(d / MTP_SUBDIRECTORY), trust_remote_code=False)
+        for d in (tiny_mtp_dir, tiny_mtp_033_dir)
+    ]
+    for default, layout_033 in ([c.hf_text_config for c in configs], drafts):
+        fields = [key for key in GEOMETRY_FIELDS if key != "rope_parameters"]
+        assert {k: getattr(layout_033, k) for k in fields} == {
+            k: getattr(default, k) for k in fields
+        }
+        assert _rotary_channels(layout_033) == _rotary_channels(default)
+        assert layout_033.rope_parameters["rope_theta"] == default.rope_parameters["rope_theta"]
+    assert drafts[1].num_mtp_modules == drafts[0].num_mtp_modules == MTP_MODULES

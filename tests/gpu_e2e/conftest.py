@@ -16,6 +16,9 @@ refused (delete it to re-run). Set
 make-tiny-model --initializer-range 0.1 --mtp-modules 1` (without its `mtp/`
 draft the `mtp-*` runs record an error and test_mtp.py fails).
 
+Set `VLLM_MINIMAX_E2E_RUNS=a,b` to start only the engine runs named (each other run records an
+error, so only the tests that need just those can pass; `scripts/gpu-e2e-h200 engine-min`).
+
 Set `VLLM_MINIMAX_E2E_SAVED=DIR` to re-check saved runs on any machine, GPU or
 not: the tests read `DIR/<run>.json` and `.log` and start no engine; a run not
 in DIR, or one of another series, fails the tests that need it (runs saved
@@ -40,6 +43,7 @@ from vllm_minimax.tiny_model import MTP_SUBDIRECTORY
 
 HERE = Path(__file__).parent
 SAVED_RUNS_ENV = "VLLM_MINIMAX_E2E_SAVED"
+SELECTED_RUNS_ENV = "VLLM_MINIMAX_E2E_RUNS"
 # Sharper than the default 0.02 init: a wrong block moves the logprobs more and
 # greedy margins are wider (see test_engine.py).
 E2E_INITIALIZER_RANGE = 0.1
@@ -166,7 +170,27 @@ def engine_results(request) -> dict[str, EngineResult]:
         return {name: _saved_run(name, Path(saved)) for name in ENGINE_RUNS}
     model = request.getfixturevalue("tiny_model")
     out_dir = request.getfixturevalue("e2e_dir")
-    return {name: _run_engine(name, run, model, out_dir) for name, run in ENGINE_RUNS.items()}
+    selected = _selected_runs()
+    return {
+        name: _run_engine(name, run, model, out_dir)
+        if name in selected
+        else EngineResult(name, {"error": f"not started: {SELECTED_RUNS_ENV} leaves it out"}, "")
+        for name, run in ENGINE_RUNS.items()
+    }
+
+
+def _selected_runs() -> set[str]:
+    """The runs `VLLM_MINIMAX_E2E_RUNS` names (all when unset); an unknown name fails the
+    tests before any engine starts."""
+    configured = os.environ.get(SELECTED_RUNS_ENV, "").strip()
+    if not configured:
+        return set(ENGINE_RUNS)
+    names = {name.strip() for name in configured.split(",") if name.strip()}
+    unknown = sorted(names - set(ENGINE_RUNS))
+    if unknown:
+        known = ", ".join(ENGINE_RUNS)
+        raise pytest.UsageError(f"{SELECTED_RUNS_ENV}: no run {', '.join(unknown)}; known: {known}")
+    return names
 
 
 # The score-workspace run (test_score_workspace.py): one long-context engine.

@@ -14,6 +14,7 @@ side runs only the launches `decode_warmup_launches` chose. The two key sets mus
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
 import random
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +34,12 @@ from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
 from vllm.models.minimax_m3.common import sparse_attn_decode_warmup as warmup
 from vllm.models.minimax_m3.common.ops import sparse_attn
 from vllm.models.minimax_m3.common.sparse_attention import MiniMaxM3SparseTritonImpl
-from vllm.v1.kv_cache_interface import FullAttentionSpec, get_block_table_width
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+try:
+    from vllm.v1.kv_cache_interface import get_block_table_width
+except ImportError:  # vLLM 0.33.0 keeps it beside the V1 runner's block table
+    from vllm.v1.worker.block_table import get_block_table_width
 
 CPU = torch.device("cpu")
 HEAD_DIM = 128
@@ -285,3 +292,39 @@ def test_registration_follows_enable_jit_warmup(jit_warmup, monkeypatch):
     registry.warmup()
     expected = [warmup.sparse_decode_geometry(_triton_impl("fp8"), config)]
     assert compiled == (expected if jit_warmup else [])
+
+
+def _sm100_msa_impl(kv_cache_dtype: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The SM100 MSA impl that serves ``kv_cache_dtype``, built by its own constructor as on
+    an SM100 whose CUTLASS decode plans this shape. vLLM 0.33.0 runs an NVFP4 cache in
+    ``MiniMaxM3SparseMSAImpl`` too; 0.34.0 has a class of its own for it, whose constructor
+    needs the GPU, so that one is an instance left unconstructed (its type is what counts)."""
+    msa = importlib.import_module(warmup._MSA_MODULE)
+    nvfp4_cls = getattr(msa, "MiniMaxM3SparseMSANvfp4Impl", None)
+    if kv_cache_dtype == "nvfp4" and nvfp4_cls is not None:
+        return nvfp4_cls.__new__(nvfp4_cls)
+    monkeypatch.setattr(msa, "supports_cutlass_sparse_decode", lambda **_: True)
+    return msa.MiniMaxM3SparseMSAImpl(
+        8,
+        HEAD_DIM,
+        HEAD_DIM**-0.5,
+        1,
+        kv_cache_dtype=kv_cache_dtype,
+        topk_blocks=TOPK,
+        sparse_block_size=PAGE,
+    )
+
+
+# The MSA impl runs the Triton decode for shapes its CUTLASS decode has no plan for, except
+# over an NVFP4 cache, which has no Triton fallback: warming Triton there would compile
+# variants no step runs.
+@pytest.mark.parametrize(("kv_cache_dtype", "registers"), [("auto", True), ("fp8", True),
+                                                            ("nvfp4", False)])  # fmt: skip
+def test_msa_impl_registers_where_it_can_fall_back_to_triton(
+    kv_cache_dtype, registers, monkeypatch
+):
+    impl = _sm100_msa_impl(kv_cache_dtype, monkeypatch)
+    registry = JitWarmupRegistry(vllm_config=None)
+    with registry.activate():
+        warmup.register_sparse_decode_warmup(impl, _engine_config(jit_warmup=True))
+    assert len(registry) == (1 if registers else 0)
