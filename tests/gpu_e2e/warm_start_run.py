@@ -20,8 +20,12 @@ runs a few of them and ``--workload none`` none (a start-up time only).
 ``--no-jit-warmup`` starts with ``kernel_config.enable_jit_warmup=False`` (vLLM
 then leaves its JIT monitor off too). A shape that fails (the JIT monitor in
 error mode raises on a compile) has its unfinished requests aborted, so the
-next shape starts on an idle engine. The result is rewritten after the start
-and after every shape, so a run cut by its time limit keeps what it measured;
+next shape starts on an idle engine (``abort_request(..., internal=True)``: the
+output processor keys requests by their internal ids). The shape records the
+exception's traceback; a later failure names the first failed shape, since vLLM
+does not promise that an engine which raised mid-step is whole. The result is
+rewritten after the start and after every shape, so a run cut by its time limit
+keeps what it measured;
 it ends with the sizes of the JIT caches named by ``FLASHINFER_WORKSPACE_BASE``,
 ``TRITON_CACHE_DIR`` and ``VLLM_CACHE_ROOT``.
 """
@@ -133,12 +137,25 @@ def run(args: argparse.Namespace, result: dict) -> None:
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - began
 
-    def failed(exc: Exception) -> dict:
-        # The engine keeps a failed step's requests; abort them so they do not
-        # join (and change) the next shape's batches.
+    first_failure: list[str] = []
+
+    def failed(name: str, exc: Exception) -> dict:
+        # The engine keeps a failed step's requests; abort them (by their internal
+        # ids, as the output processor keys them) so they do not join the next
+        # shape's batches.
         unfinished = list(engine.output_processor.request_states)
-        engine.abort_request(unfinished)
-        return {"error": f"{type(exc).__name__}: {exc}", "aborted": len(unfinished)}
+        engine.abort_request(unfinished, internal=True)
+        shape = {
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(limit=-8),
+            "aborted": len(unfinished),
+            "unfinished_after_abort": engine.get_num_unfinished_requests(),
+        }
+        if first_failure:
+            shape["after_failure_of"] = first_failure[0]
+        else:
+            first_failure.append(name)
+        return shape
 
     shapes: dict[str, dict] = {}
     result["shapes"] = shapes
@@ -150,7 +167,7 @@ def run(args: argparse.Namespace, result: dict) -> None:
             try:
                 seconds.append(timed([tokens(n) for n, _ in spec], [m for _, m in spec]))
             except Exception as exc:
-                shapes[name] = failed(exc)
+                shapes[name] = failed(name, exc)
                 break
         else:
             shapes[name] = {"seconds": [round(s, 4) for s in seconds]}
@@ -165,11 +182,35 @@ def run(args: argparse.Namespace, result: dict) -> None:
                 timed([prefix], [1])  # caches the prefix (a context-16k shape)
                 seconds.append(timed([prefix + tokens(extra)], [1]))
             except Exception as exc:
-                shapes[name] = failed(exc)
+                shapes[name] = failed(name, exc)
                 break
         else:
             shapes[name] = {"seconds": [round(s, 4) for s in seconds]}
         write_result(args.out, result)
+
+
+def mark_compiles(builds: list[dict]) -> list[dict]:
+    """Set ``compiled`` on each FlashInfer build record: whether it made a program.
+
+    FlashInfer 0.7.4 (``flashinfer/jit/core.py``) routes every load of a JIT-cache
+    (non-AOT) nvcc module through ``build()``, which runs ninja and appends a
+    record even when ninja finds the ``.so`` up to date, so a warm cache logs one
+    record per module loaded. A record compiled a program iff the module's ``.so``
+    was written after the build began (a cold build, or ninja relinking after a
+    change of sources or flags). A CuTe-DSL record is always a compile: FlashInfer
+    records it around ``compile_fn()`` only.
+    """
+    from flashinfer.jit import env as jit_env
+
+    for build in builds:
+        if build["toolchain"] != "nvcc":
+            build["compiled"] = True
+            continue
+        library = jit_env.FLASHINFER_JIT_DIR / build["name"] / f"{build['name']}.so"
+        began = build["time"] - build["seconds"]
+        build["so_mtime"] = round(library.stat().st_mtime, 3) if library.exists() else None
+        build["compiled"] = build["so_mtime"] is None or build["so_mtime"] >= began - 0.01
+    return builds
 
 
 def read_build_log(path: Path) -> list[dict]:
@@ -214,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         traceback.print_exc()
         result["error"] = f"{type(exc).__name__}: {exc}"
-    result["builds"] = read_build_log(build_log)
+    result["builds"] = mark_compiles(read_build_log(build_log))
     result["caches"] = cache_sizes()
     result["triton_kernels"] = triton_kernels_cached()
     write_result(args.out, result)
