@@ -4,7 +4,9 @@ The reference is Triton itself: unquantized `TritonExperts.apply` runs on CPU te
 `fused_moe_kernel`'s launches intercepted, and each launch's compile key is what Triton's own
 argument binder (`create_function_from_signature` over the kernel's signature) makes of the
 arguments: the constexprs and launch options, each integer's type and 1 / divisible-by-16
-class, each pointer's dtype and 16-byte alignment. vLLM's CUDA-only helpers around the GEMMs
+class, each pointer's dtype and 16-byte alignment. The kernel is the one of the vLLM under test
+(its own `fused_moe.py`), so the keys follow that release's signature: 0.34.0's takes the TMA
+descriptors and their constexprs, 0.33.0's does not. vLLM's CUDA-only helpers around the GEMMs
 (the alignment op's fill, the activation, the sum) become no-ops; every buffer size still comes
 from vLLM's Python. The runtime side sweeps every token count 1 to max_num_batched_tokens with
 random routing; the warm-up side runs only the token counts `moe_warmup_token_counts` chose.
