@@ -332,7 +332,7 @@ def test_ab_two_servers_two_rounds(server_command: str, tiny_llama: Path, tmp_pa
         *("--arm", 'max-seqs-2={"max-num-seqs": 2}', "--arm", 'max-seqs-8={"max-num-seqs": 8}'),
         *("--accuracy-preset", "cpu-tiny", "--throughput-preset", "cpu-tiny"),
         *("--repeat", "2", "--out", str(out)),
-        # Four server starts: 2 to 6 minutes each on two shared cores.
+        # Four server starts, one after the other.
         timeout=3600,
     )
     assert done.returncode == 0, done.stderr[-5000:]
