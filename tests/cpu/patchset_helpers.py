@@ -1,19 +1,38 @@
-"""Helpers shared by the patchset, devtree and cli tests (imported by name: a module called
+"""Helpers shared by the CPU tests (imported by name: a module called
 ``conftest`` is ambiguous once other test directories have their own)."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REAL_PATCHES_ROOT = REPO_ROOT / "patches"
 REAL_SERIES_DIR = REAL_PATCHES_ROOT / "vllm-0.34.0"
+
+
+def run_json_probe(
+    probe: Path, *arguments: str, timeout: float, env: dict[str, str] | None = None
+) -> dict:
+    """Run a probe script in a fresh interpreter; it must exit 0 and print its report as JSON
+    on its last line of standard output."""
+    completed = subprocess.run(
+        [sys.executable, str(probe), *arguments],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(completed.stdout.splitlines()[-1])
 
 
 def installed_vllm_site() -> Path:

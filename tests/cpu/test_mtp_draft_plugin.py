@@ -11,13 +11,11 @@ the engine core (`get_mp_context()` with `VLLM_WORKER_MULTIPROC_METHOD=spawn`).
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from patchset_helpers import run_json_probe
 
 from vllm_minimax.testing import mtp_draft
 
@@ -35,16 +33,7 @@ def probe(tmp_path_factory) -> dict:
         "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
     }
     env.pop("VLLM_PLUGINS", None)
-    completed = subprocess.run(
-        [sys.executable, str(PROBE)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    report = json.loads(completed.stdout.splitlines()[-1])
+    report = run_json_probe(PROBE, env=env, timeout=900)
     assert report["start_method"] == "spawn"
     assert report["with_plugins_exitcode"] == report["without_plugins_exitcode"] == 0
     return report

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from patchset_helpers import run_json_probe
 
 from vllm_minimax import cli
 from vllm_minimax.tiny_model import (
@@ -41,15 +40,9 @@ def probed(rank_dirs, tmp_path_factory) -> dict[str, dict[str, dict[str, list[in
     specs = {}
     for geometry, size in RANK_GEOMETRIES.items():
         specs[geometry] = (f"{rank_dirs[geometry]}:1", f"{full_dir}:{size}")
-    completed = subprocess.run(
-        [sys.executable, str(PROBE), *(spec for pair in specs.values() for spec in pair)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
+    shapes = run_json_probe(
+        PROBE, *(spec for pair in specs.values() for spec in pair), timeout=1800
     )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    shapes = json.loads(completed.stdout.splitlines()[-1])
     return {
         geometry: {"slice": shapes[sliced], "rank": shapes[rank]}
         for geometry, (sliced, rank) in specs.items()

@@ -7,11 +7,10 @@ parsing: tests/cpu/patched_vllm/test_tiny_model_config.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from patchset_helpers import run_json_probe
 from safetensors import safe_open
 
 from vllm_minimax import cli
@@ -57,15 +56,7 @@ def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _run_probe(tiny_mtp_dir: Path, *extra: str) -> dict:
-    completed = subprocess.run(
-        [sys.executable, str(PROBE), str(tiny_mtp_dir), *extra],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return json.loads(completed.stdout.splitlines()[-1])
+    return run_json_probe(PROBE, str(tiny_mtp_dir), *extra, timeout=600)
 
 
 @pytest.fixture(scope="module")
