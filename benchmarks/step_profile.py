@@ -15,7 +15,13 @@ profiler sees the model. Two points:
 - ``decode``: ``--decode-batch`` requests of ``--decode-context`` tokens, their prompts in the
   prefix cache first, so that the profiled steps after ``--skip-steps`` are pure decode;
 - ``mixed``: ``--mixed-decodes`` cached 2k-token requests decoding while one uncached
-  ``--mixed-long-context``-token prompt is prefilled chunk by chunk in the same steps.
+  ``--mixed-long-context``-token prompt is prefilled chunk by chunk in the same steps; the
+  decodes run as many steps as the prompt has chunks, so every profiled step is mixed.
+
+Only the ``--steps`` steps after ``--skip-steps`` are reported. Before the profiled run, the
+point's unprofiled run of the same shape is timed (wall ms per step, in the report), and
+``--python-profile`` adds a cProfile of one more run of the shape (ARM/POINT.pyprof.txt:
+where the host time goes outside PyTorch's operators, e.g. the engine's Python).
 
 Two ranges are added with ``torch.profiler.record_function``: ``LLMEngine.step`` (the
 step) and ``MiniMaxM3Indexer.forward`` (the indexer, which vLLM runs eagerly between CUDA
@@ -33,13 +39,17 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import cProfile
 import gzip
+import io
 import json
 import os
+import pstats
 import re
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +117,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         " wall time (default: 0.9)",
     )
     parser.add_argument("--sparse-layers", type=int, help="default: from the model's config")
+    parser.add_argument(
+        "--python-profile",
+        action="store_true",
+        help="also cProfile one more run of each point (ARM/POINT.pyprof.txt)",
+    )
     parser.add_argument("--run-arm", choices=ARMS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     check_args(args)
@@ -206,14 +221,21 @@ def kernel_family(name: str) -> str:
 
 
 def analyze_trace(
-    trace: dict[str, Any], sparse_layers: int, skip_steps: int, host_bound_below: float
+    trace: dict[str, Any],
+    sparse_layers: int,
+    skip_steps: int,
+    host_bound_below: float,
+    max_steps: int | None = None,
 ) -> dict[str, Any]:
-    """The figures of one profiled point from a torch profiler Chrome trace."""
+    """The figures of one profiled point from a torch profiler Chrome trace: the steps
+    after the first ``skip_steps``, at most ``max_steps`` of them."""
     events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
     steps = _ranges(events, STEP_RANGE)
     if len(steps) <= skip_steps:
         raise ValueError(f"the trace has {len(steps)} steps; {skip_steps} are to be skipped")
     steps = steps[skip_steps:]
+    if max_steps is not None:
+        steps = steps[:max_steps]
     start, end = steps[0]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
     in_window = [r for r in _ranges(events, INDEXER_RANGE) if start <= r["ts"] <= end]
     indexer_index = _RangeIndex(in_window)
@@ -265,6 +287,10 @@ def analyze_trace(
 
 
 ROWS = (
+    (
+        "unprofiled wall ms / step",
+        lambda r: f"{r['unprofiled_step_ms']:.2f}" if "unprofiled_step_ms" in r else "-",
+    ),
     ("step wall ms", lambda r: f"{r['step_ms']:.2f}"),
     ("GPU busy ms / step", lambda r: f"{r['gpu_busy_ms_per_step']:.2f}"),
     ("GPU busy / wall", lambda r: f"{100 * r['gpu_busy_fraction']:.0f}%"),
@@ -325,9 +351,17 @@ def report_from_traces(directory: Path, args: argparse.Namespace, setup: str) ->
             path = directory / arm / f"{point}.trace.json.gz"
             if not path.is_file():
                 continue
-            results.setdefault(arm, {})[point] = analyze_trace(
-                load_trace(path), args.sparse_layers, args.skip_steps, args.host_bound_below
+            figures = analyze_trace(
+                load_trace(path),
+                args.sparse_layers,
+                args.skip_steps,
+                args.host_bound_below,
+                max_steps=args.steps,
             )
+            timing = directory / arm / f"{point}.timing.json"
+            if timing.is_file():
+                figures.update(json.loads(timing.read_text()))
+            results.setdefault(arm, {})[point] = figures
     if not results:
         raise UsageError(
             f"no ARM/POINT.trace.json.gz for {args.arms} x {args.points} in {directory}"
@@ -404,28 +438,28 @@ def run_arm(args: argparse.Namespace, arm: str) -> None:
     out = args.out / arm
     out.mkdir(parents=True, exist_ok=True)
     for point in args.points:
-        if point == "decode":
-            cached = _prompts(args.decode_batch, args.decode_context, vocab, seed=1)
-            profiled = cached
-        else:
-            cached = _prompts(args.mixed_decodes, 2048, vocab, seed=2)
-            long_prompt = _prompts(1, args.mixed_long_context, vocab, seed=3)
-            profiled = cached + long_prompt
-            # Same shapes once unprofiled first, so no first-call JIT lands in the trace.
-            llm.generate(
-                _prompts(args.mixed_decodes, 2048, vocab, seed=4)
-                + _prompts(1, args.mixed_long_context, vocab, seed=5),
-                SamplingParams(max_tokens=frame, ignore_eos=True),
-                use_tqdm=False,
-            )
+        cached = point_prompts(args, point, vocab)
+
+        def shape(seed: int, steps: int, point: str = point, cached: list = cached):
+            return point_run(args, point, cached, vocab, seed, steps)
+
         llm.generate(cached, SamplingParams(max_tokens=1), use_tqdm=False)
-        llm.generate(cached, SamplingParams(max_tokens=frame, ignore_eos=True), use_tqdm=False)
+        if point == "mixed":
+            # The shape once unprofiled first, so no first-call JIT lands in the trace.
+            llm.generate(*shape(4, frame), use_tqdm=False)
+        prompts, params = shape(5, frame)
+        began = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - began
+        timing = {"unprofiled_step_ms": 1000 * elapsed / _engine_steps(outputs)}
+        (out / f"{point}.timing.json").write_text(json.dumps(timing) + "\n")
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as profile:
-            llm.generate(
-                profiled,
-                SamplingParams(max_tokens=args.skip_steps + args.steps, ignore_eos=True),
-                use_tqdm=False,
+            llm.generate(*shape(3, args.skip_steps + args.steps), use_tqdm=False)
+        if args.python_profile:
+            write_python_profile(
+                lambda: llm.generate(*shape(6, args.skip_steps + args.steps), use_tqdm=False),
+                out / f"{point}.pyprof.txt",
             )
         raw = out / f"{point}.trace.json"
         profile.export_chrome_trace(str(raw))
@@ -433,6 +467,51 @@ def run_arm(args: argparse.Namespace, arm: str) -> None:
             target.write(source.read())
         raw.unlink()
         print(f"{arm} {point}: wrote {raw}.gz", flush=True)
+
+
+def point_prompts(args: argparse.Namespace, point: str, vocab: int) -> list[dict]:
+    """The prompts a point caches first: its decoding requests."""
+    if point == "decode":
+        return _prompts(args.decode_batch, args.decode_context, vocab, seed=1)
+    return _prompts(args.mixed_decodes, 2048, vocab, seed=2)
+
+
+def point_run(
+    args: argparse.Namespace, point: str, cached: list[dict], vocab: int, seed: int, steps: int
+) -> tuple[list[dict], list]:
+    """Prompts and sampling parameters of one run of a point lasting ``steps`` steps.
+    ``decode``: the cached prompts every time. ``mixed``: the cached decodes beside a new
+    long prompt (``seed``) that yields one token, the decodes outlasting its chunks so
+    that every step of the run is mixed."""
+    from vllm import SamplingParams
+
+    if point == "decode":
+        return cached, [SamplingParams(max_tokens=steps, ignore_eos=True)] * len(cached)
+    chunks = args.mixed_long_context // args.max_num_batched_tokens
+    decode = SamplingParams(max_tokens=max(steps, chunks + 1), ignore_eos=True)
+    prefill = SamplingParams(max_tokens=1, ignore_eos=True)
+    long_prompt = _prompts(1, args.mixed_long_context, vocab, seed=seed)
+    return cached + long_prompt, [decode] * len(cached) + [prefill]
+
+
+def _engine_steps(outputs: list) -> int:
+    """Engine steps of a run whose requests started together: its longest output, since
+    each step gives every running request one token."""
+    return max(len(output.outputs[0].token_ids) for output in outputs)
+
+
+def write_python_profile(run: Callable[[], object], path: Path) -> None:
+    """cProfile ``run()`` (in-process engine: the scheduler, the runner's host work and
+    the output processing are in this thread) and write the top functions."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        text.write(f"=== top 60 by {key} ===\n")
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(60)
+    path.write_text(text.getvalue())
 
 
 def run_arms(args: argparse.Namespace) -> int:
@@ -447,6 +526,7 @@ def run_arms(args: argparse.Namespace) -> int:
             "--mixed-long-context", str(args.mixed_long_context),
             "--config", str(args.config),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            *(["--python-profile"] if args.python_profile else []),
         ]  # fmt: skip
         completed = subprocess.run(command, check=False)
         if completed.returncode != 0:

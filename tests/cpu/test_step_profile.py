@@ -113,6 +113,35 @@ def test_busy_threshold_decides_host_bound():
     assert figures["host_bound"] is False
 
 
+def test_only_the_steps_asked_for_are_reported():
+    """With ``max_steps=1`` only the second step (100..200 us) counts: kernels at 120..130,
+    131..136, 136..176 (and 140..160 inside it) and 176..186 us, busy 65 us; two indexer
+    calls of 10 us."""
+    figures = analyze_trace(
+        recorded_trace(), sparse_layers=2, skip_steps=1, host_bound_below=0.9, max_steps=1
+    )
+    assert figures["steps"] == 1
+    assert figures["gpu_busy_ms_per_step"] == pytest.approx(65 / 1000)
+    assert figures["indexer_host_ms_per_step"] == pytest.approx(20 / 1000)
+
+
+def test_every_step_of_a_mixed_run_holds_a_prefill_chunk_beside_the_decodes():
+    parsed = step_profile.argparse.Namespace(
+        mixed_long_context=98304, max_num_batched_tokens=8192, decode_batch=4,
+        decode_context=256, mixed_decodes=3,
+    )  # fmt: skip
+    cached = step_profile.point_prompts(parsed, "mixed", vocab=1000)
+    prompts, params = step_profile.point_run(parsed, "mixed", cached, 1000, seed=3, steps=10)
+    assert len(prompts) == 4 and prompts[:3] == cached
+    assert len(prompts[3]["prompt_token_ids"]) == 98304
+    # 12 chunks: the decodes run 13 steps, the long prompt stops after its prefill.
+    assert [p.max_tokens for p in params] == [13, 13, 13, 1]
+    again, _ = step_profile.point_run(parsed, "mixed", cached, 1000, seed=4, steps=10)
+    assert again[3] != prompts[3]  # a new, uncached long prompt each run
+    prompts, params = step_profile.point_run(parsed, "decode", cached, 1000, seed=3, steps=10)
+    assert prompts is cached and {p.max_tokens for p in params} == {10}
+
+
 def test_too_few_steps_is_an_error():
     with pytest.raises(ValueError, match="3 steps"):
         analyze_trace(recorded_trace(), sparse_layers=2, skip_steps=3, host_bound_below=0.9)
