@@ -9,7 +9,8 @@ reference from the engine's own inputs, not the builder's: the requests the
 call's token range covers in the engine's `query_start_loc`, their rows of the
 engine's block table and their `seq_lens`, each token's page count from the
 engine's `positions`, and the forced regions from the impl's `init_blocks` and
-the model config's `index_local_blocks`. The shared top-k buffer is checked
+the model config's local window, read as the release's model reads it
+(`model_local_blocks`). The shared top-k buffer is checked
 against it on every row: the selection invariants, and the selected blocks'
 reference scores equal to the reference top-k scores (a multiset, so two
 selections that pass differ only by tied scores). A builder that mis-slices the
@@ -91,6 +92,8 @@ class EngineStep:
 
     @classmethod
     def of(cls, common, vllm_config) -> EngineStep:
+        import vllm
+
         hf_config = vllm_config.model_config.hf_config
         text_config = getattr(hf_config, "text_config", hf_config)
         n = common.num_reqs
@@ -99,7 +102,7 @@ class EngineStep:
             seq_lens=common.seq_lens[:n].cpu().clone(),
             block_table=common.block_table_tensor[:n].clone(),
             positions=common.positions[: common.num_actual_tokens].cpu().clone(),
-            local_blocks=int(getattr(text_config, "index_local_blocks", 0)),
+            local_blocks=model_local_blocks(text_config, vllm.__version__),
         )
 
     def requests_of(self, token_start: int, token_end: int) -> tuple[int, int] | None:
@@ -108,6 +111,16 @@ class EngineStep:
         if token_start not in qsl or token_end not in qsl:
             return None
         return qsl.index(token_start), qsl.index(token_end)
+
+
+def model_local_blocks(text_config, vllm_version: str) -> int:
+    """The trailing local window, in blocks, read from the model config the way that
+    release's MiniMax M3 reads it: vLLM 0.33.0 from `sparse_attention_config`'s
+    `sparse_local_block` (0 when absent), later releases from the flat
+    `index_local_blocks`."""
+    if vllm_version == "0.33.0":
+        return int(text_config.sparse_attention_config.get("sparse_local_block", 0))
+    return int(text_config.index_local_blocks)
 
 
 # Each step's engine inputs by the id of the metadata built from them (the last few).

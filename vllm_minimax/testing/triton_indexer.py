@@ -12,6 +12,10 @@ and `MiniMaxM3IndexerTritonImpl.forward` of vLLM 0.34.0's
 `common/indexer.py`: decode rows first through `minimax_m3_index_decode`,
 then prefill rows through `minimax_m3_index_score` + `minimax_m3_index_topk`,
 both writing the shared buffer's `[H, tokens, topk]` transposed view.
+
+`sort_rows_ascending_` / `install_ascending_rows` put the engine's Triton rows in the
+order FlashInfer writes them (ascending block ids, `-1` padding last), for engine
+comparisons whose attend sums blocks in row order.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -242,3 +247,39 @@ def triton_forward(
             local_blocks,
             out=buf_htk[:, nd:, :],
         )
+
+
+def sort_rows_ascending_(topk: torch.Tensor) -> None:
+    """Sort every row of a top-k buffer (last dimension) in place: the selected blocks
+    ascending, the `-1` padding last. The set of blocks, which is the selection, is
+    unchanged; only the order changes, and it carries no meaning in the indexer's
+    contract. vLLM's Triton top-k writes a row by descending score, FlashInfer's by
+    ascending block id. An attend that sums the blocks in row order (vLLM 0.33.0's
+    Hopper prefill kernel, the split-K decode kernel) rounds differently for the two
+    orders, so an engine comparison sorts both the same way first. Capturable in a CUDA
+    graph (no host sync, no data-dependent shapes)."""
+    sentinel = torch.iinfo(topk.dtype).max
+    ordered = torch.where(topk < 0, sentinel, topk).sort(dim=-1).values
+    topk.copy_(torch.where(ordered == sentinel, -1, ordered))
+
+
+def install_ascending_rows() -> Callable[[], None]:
+    """Make the installed vLLM's `MiniMaxM3IndexerTritonImpl.forward` sort the shared
+    top-k buffer's rows ascending after it writes them (`sort_rows_ascending_`).
+    Returns the undo."""
+    from vllm.models.minimax_m3.common.indexer import MiniMaxM3IndexerTritonImpl
+
+    original = MiniMaxM3IndexerTritonImpl.forward
+
+    def forward(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if self.topk_indices_buffer is not None:
+            sort_rows_ascending_(self.topk_indices_buffer)
+        return result
+
+    MiniMaxM3IndexerTritonImpl.forward = forward
+
+    def undo() -> None:
+        MiniMaxM3IndexerTritonImpl.forward = original
+
+    return undo

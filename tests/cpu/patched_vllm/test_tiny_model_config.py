@@ -20,6 +20,7 @@ from vllm.models.minimax_m3.nvidia import model as m3_model
 from vllm.transformers_utils.config import get_config
 
 from vllm_minimax import tiny_model
+from vllm_minimax.testing import selection_audit
 from vllm_minimax.tiny_model import MTP_SUBDIRECTORY, TINY_TEXT_CONFIG
 
 MTP_MODULES = 2
@@ -139,3 +140,12 @@ def test_draft_config_is_read_as_one_sparse_moe_layer_of_the_same_geometry(tiny_
     assert _layer_kinds(draft) == (["minimax_m3_sparse"], ["sparse"])
     if vllm.__version__ == "0.33.0":
         assert draft.hidden_act == "swigluoai"
+
+
+def test_the_engine_audit_expects_the_local_window_this_release_builds(tiny_configs):
+    """The engine audit (`selection_audit`) forces the window the release's model takes
+    from the config, so it does not expect a selection the model never asked for."""
+    directory, _ = tiny_configs
+    text = ModelConfig(model=str(directory), tokenizer=str(directory)).hf_text_config
+    local = selection_audit.model_local_blocks(text, vllm.__version__)
+    assert local == _index_geometry(text)["local"] == TINY_TEXT_CONFIG["index_local_blocks"]
