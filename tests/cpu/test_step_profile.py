@@ -101,6 +101,9 @@ def test_figures_of_a_recorded_trace():
     assert figures["indexer_gpu_ms_per_step"] == pytest.approx(49 / 2 / 1000)
     assert figures["indexer_host_share"] == pytest.approx(40 / 200)
     assert figures["indexer_host_us_per_call"] == pytest.approx(10)
+    # By name: the four MSA kernels (40 us) and the Triton indexer kernel (4 us), range or not.
+    assert figures["indexer_kernels_ms_per_step"] == pytest.approx(44 / 2 / 1000)
+    assert figures["indexer_kernels_share"] == pytest.approx(44 / 149)
     assert figures["kernels_per_sparse_layer"] == {
         "flashinfer": 1.0,
         "triton": 0.25,
@@ -111,6 +114,17 @@ def test_figures_of_a_recorded_trace():
 def test_busy_threshold_decides_host_bound():
     figures = analyze_trace(recorded_trace(), sparse_layers=2, skip_steps=1, host_bound_below=0.6)
     assert figures["host_bound"] is False
+
+
+def test_kernels_outside_every_range_count_by_name():
+    """A full CUDA graph launches the indexer's kernels with one graph launch outside any
+    indexer range: by launch they are not the indexer's, by name they are."""
+    trace = recorded_trace()
+    events = trace["traceEvents"]
+    events[:] = [e for e in events if e.get("name") != INDEXER_RANGE]
+    figures = analyze_trace(trace, sparse_layers=2, skip_steps=1, host_bound_below=0.9)
+    assert figures["indexer_gpu_ms_per_step"] == 0
+    assert figures["indexer_kernels_ms_per_step"] == pytest.approx(44 / 2 / 1000)
 
 
 def test_only_the_steps_asked_for_are_reported():
