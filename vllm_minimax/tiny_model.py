@@ -137,6 +137,8 @@ PUBLISHED_SHARED_FIELDS = (
 DEFAULT_INITIALIZER_RANGE = 0.02
 VOCAB_SIZE = 1024
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+# The rank tokenizer's (build_rank_tokenizer) token for text that is not made of its pieces.
+UNK = "<unk>"
 
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. "
@@ -154,8 +156,7 @@ def build_tokenizer(directory: Path, model_max_length: int | None = None):
     Shared by every tiny checkpoint this project makes (the MiniMax M3 here and the Llama of
     ``vllm_minimax.evals.tiny_llama``): the hub is not reachable where they are made.
     ``model_max_length`` defaults to the tiny MiniMax M3's context."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -167,6 +168,49 @@ def build_tokenizer(directory: Path, model_max_length: int | None = None):
         show_progress=False,
     )
     tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return _save_tokenizer(
+        tokenizer,
+        directory,
+        model_max_length or TINY_TEXT_CONFIG["max_position_embeddings"],
+    )
+
+
+def rank_piece(token_id: int) -> str:
+    """The text of token ``token_id`` (past the special tokens) of :func:`build_rank_tokenizer`."""
+    return f" w{token_id}"
+
+
+def build_rank_tokenizer(directory: Path, vocab_size: int, model_max_length: int):
+    """A word-level tokenizer of exactly ``vocab_size`` tokens, saved in HF layout.
+
+    For the rank geometries, whose vocab (25008 at TP-8) is far larger than the byte-level
+    tokenizer's. Ids 0 to 3 are ``<pad>``, ``<s>``, ``</s>`` (the byte-level tokenizer's
+    ids) and ``<unk>``; every other id ``i`` is the piece ``" w{i}"``. Each piece is
+    short, valid text on its own, so any id sequence decodes to text that encodes back to
+    the same ids (what ``vllm bench serve``'s random dataset relies on), and vLLM's
+    incremental detokenizer (a ``DecodeStream``) emits every token at once: its step does
+    not grow with the context whatever ids the dummy weights sample. Text that is not made
+    of pieces (a chat smoke test) encodes to ``<unk>``. No merges are stored."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    specials = [PAD, BOS, EOS, UNK]
+    if vocab_size <= len(specials):
+        raise ValueError(f"vocab_size {vocab_size}: more than {len(specials)} needed")
+    vocab = {token: index for index, token in enumerate(specials)}
+    vocab.update((rank_piece(index), index) for index in range(len(specials), vocab_size))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r" w[0-9]+"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(specials)
+    return _save_tokenizer(tokenizer, directory, model_max_length, unk_token=UNK)
+
+
+def _save_tokenizer(tokenizer, directory: Path, model_max_length: int, **special_tokens):
+    """Save ``tokenizer`` in HF layout: BOS prepended to encoded text, PAD/BOS/EOS (and
+    ``special_tokens``), the tiny chat template, ``model_max_length``."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
     bos_id = tokenizer.token_to_id(BOS)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
@@ -176,7 +220,8 @@ def build_tokenizer(directory: Path, model_max_length: int | None = None):
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        model_max_length=model_max_length or TINY_TEXT_CONFIG["max_position_embeddings"],
+        model_max_length=model_max_length,
+        **special_tokens,
     )
     fast.chat_template = (
         "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
@@ -621,12 +666,15 @@ def weight_bytes(counts: dict[str, int]) -> dict[str, int]:
 
 
 def write_config_only_model(directory: Path, fields: dict[str, Any]) -> Path:
-    """Write ``config.json`` (MiniMax M3 text with ``fields``) and the tokenizer, no weights."""
+    """Write ``config.json`` (MiniMax M3 text with ``fields``) and a tokenizer of its
+    ``vocab_size`` (:func:`build_rank_tokenizer`), no weights."""
     from transformers import MiniMaxM3VLTextConfig
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(directory, model_max_length=fields["max_position_embeddings"])
+    tokenizer = build_rank_tokenizer(
+        directory, fields["vocab_size"], model_max_length=fields["max_position_embeddings"]
+    )
     config = MiniMaxM3VLTextConfig(
         **fields,
         bos_token_id=tokenizer.bos_token_id,
