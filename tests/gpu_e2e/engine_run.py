@@ -21,8 +21,9 @@ tokens per decoding request; the draft gets the layer prefix of
 spec-decode counters (``spec_decode``), the speculative config and each
 MiniMax M3 sparse layer's indexer impl class (``sparse_layers``).
 
-A Triton run sorts its top-k rows ascending after the indexer writes them
-(`triton_indexer.install_ascending_rows`, recorded as ``triton_rows``): the same
+Every run makes vLLM's Triton indexer, wherever the engine selects it, sort its
+top-k rows ascending after writing them (`triton_indexer.install_ascending_rows`,
+recorded as ``triton_rows``): the same
 blocks in the order FlashInfer writes them. vLLM 0.33.0's Hopper prefill attend and
 the split-K decode attend sum the blocks in row order, and the Triton top-k writes
 them by descending score, so without it the two backends' logprobs differ in
@@ -138,10 +139,9 @@ def run(args: argparse.Namespace) -> dict:
 
         selection_audit.install()
         audit = selection_audit.AUDIT
-    if args.backend == "triton":
-        from vllm_minimax.testing import triton_indexer
+    from vllm_minimax.testing import triton_indexer
 
-        triton_indexer.install_ascending_rows()
+    triton_indexer.install_ascending_rows()
     speculative_config = None
     if args.mtp:
         from vllm_minimax.testing import mtp_draft
@@ -172,8 +172,7 @@ def run(args: argparse.Namespace) -> dict:
         disable_log_stats=not args.mtp,
     )
     result: dict = {"engine_start_s": round(time.perf_counter() - started, 1)}
-    if args.backend == "triton":
-        result["triton_rows"] = "ascending"
+    result["triton_rows"] = "ascending"
     if args.mtp:
         result["speculative"] = speculative_summary(llm)
         try:

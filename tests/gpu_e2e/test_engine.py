@@ -20,6 +20,12 @@ selection differs, and differ (a little) after it. Hence, per pair:
   parts within a couple of tokens of 2048, so this can fail;
 - mean |delta| over all prompt tokens <= `MEAN_TOL` nats.
 
+The Triton indexer writes a row's blocks by descending score, FlashInfer by
+ascending block id. vLLM 0.33.0's Hopper prefill attend and the split-K decode
+attend sum the blocks in row order, so the same selection in another order rounds
+differently. Every run therefore sorts the Triton rows ascending (`engine_run.py`,
+`triton_rows`), and a run made without that is refused.
+
 Where they do differ, the FlashInfer side is audited inside the engine
 (`selection_audit`): every row outside full CUDA graphs is a float32-reference
 top-k by value, so the FlashInfer choice is never worse than Triton's; Triton's
@@ -79,6 +85,10 @@ def _summary(e2e_dir, key: str, value) -> None:
 
 def request_pairs(results, a_name: str, b_name: str):
     a, b = _ok(results, a_name), _ok(results, b_name)
+    for run in (a, b):
+        assert run.data.get("triton_rows") == "ascending", (
+            f"{run.name} was made before the Triton rows were sorted; delete it to re-run"
+        )
     for w in WORKLOADS:
         yield from zip(a.workload(w), b.workload(w), strict=True)
 
