@@ -20,7 +20,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -205,14 +204,17 @@ def test_refusals_before_any_request(server: VllmServer, tiny_llama: Path, tmp_p
 
 
 AGREEMENT_PROBE = Path(__file__).parent / "client_agreement_probe.py"
-AGREEMENT_SHAPE = {"input_tokens": 256, "output_tokens": 32, "num_requests": 8}
+AGREEMENT_SHAPE = {"input_tokens": 256, "output_tokens": 32, "num_requests": 32}
 AGREEMENT_CONCURRENCY = (1, 4)
 AGREEMENT_ROUNDS = 3
-# Medians of the alternated rounds may differ by this factor either way. On two shared cores
-# one client's rounds spread up to 1.4x (c=1: 84..115 tok/s for this project's client, 53..101
-# for bench, with a neighbour's load) and the two medians were within 1.37x of each other;
-# 1.6 leaves room for that noise and still fails a level run at the wrong concurrency (c=1
-# and c=4 differ 2.5x in tok/s here) or tok/s per request instead of per level (3.6x at c=4).
+# Each client's best round (highest tok/s, lowest latency) may differ from the other's by this
+# factor either way. On two shared cores a whole round sometimes runs at a third of the speed
+# of the others, for whichever client holds it (c=4, 32 requests: 1606, 1449, 489 tok/s for
+# this project's client, 1249, 1284, 490 for bench in one run), so the median of three rounds
+# could fall on two slowed rounds of one client and part the clients 2.3x; the best round of
+# each is the client undisturbed. 1.6 still fails a level run at the wrong concurrency (c=1
+# and c=4 differ 2.5x in tok/s here) or tok/s per request instead of per level (3.6x at c=4),
+# which slow every round.
 # TTFT and TPOT are compared exactly through bench's per-request timings instead: a level
 # whose chunks arrive bunched (a starved client) has TPOT near 0 and TTFT near E2E.
 AGREEMENT_TOLERANCE = 1.6
@@ -253,21 +255,21 @@ def test_vllm_bench_and_the_own_client_agree(server: VllmServer, tiny_llama: Pat
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
             for stat in ("mean", "p50", "p90", "p99"):
                 assert level[key][stat] == pytest.approx(ours[key][stat], rel=1e-6), (key, stat)
-    # Timing: the medians over the alternated rounds agree within AGREEMENT_TOLERANCE.
+    # Timing: each client's best of the alternated rounds agree within AGREEMENT_TOLERANCE.
     for concurrency in AGREEMENT_CONCURRENCY:
-        for metric in (
-            lambda lv: lv["output_tokens_per_s"],
-            lambda lv: lv["e2e_latency_ms"]["p50"],
+        for metric, best in (
+            (lambda lv: lv["output_tokens_per_s"], max),
+            (lambda lv: lv["e2e_latency_ms"]["p50"], min),
         ):
-            medians = {
-                client: statistics.median(
+            rounds = {
+                client: [
                     metric(lv) for lv in levels
                     if lv["client"] == client and lv["concurrency"] == concurrency
-                )
+                ]
                 for client in ("own", "vllm-bench")
             }  # fmt: skip
-            ratio = medians["vllm-bench"] / medians["own"]
-            assert 1 / AGREEMENT_TOLERANCE <= ratio <= AGREEMENT_TOLERANCE, (concurrency, medians)
+            ratio = best(rounds["vllm-bench"]) / best(rounds["own"])
+            assert 1 / AGREEMENT_TOLERANCE <= ratio <= AGREEMENT_TOLERANCE, (concurrency, rounds)
 
 
 def test_server_dying_mid_run_keeps_the_finished_levels(
