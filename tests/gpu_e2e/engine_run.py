@@ -21,13 +21,13 @@ tokens per decoding request; the draft gets the layer prefix of
 spec-decode counters (``spec_decode``), the speculative config and each
 MiniMax M3 sparse layer's indexer impl class (``sparse_layers``).
 
-Every run makes vLLM's Triton indexer, wherever the engine selects it, sort its
-top-k rows ascending after writing them (`triton_indexer.install_ascending_rows`,
-recorded as ``triton_rows``): the same
-blocks in the order FlashInfer writes them. vLLM 0.33.0's Hopper prefill attend and
-the split-K decode attend sum the blocks in row order, and the Triton top-k writes
-them by descending score, so without it the two backends' logprobs differ in
-rounding wherever a token has two blocks or more, whatever they selected.
+On a release of `triton_indexer.ROW_ORDER_PREFILL_RELEASES` (vLLM 0.33.0) every run
+makes vLLM's Triton indexer, wherever the engine selects it, sort its top-k rows
+ascending after writing them (`triton_indexer.install_ascending_rows`, recorded as
+``triton_rows``): the same blocks in the order FlashInfer writes them. That release's
+Hopper prefill attend sums the blocks in row order, and the Triton top-k writes them by
+descending score, so without it the two backends' prompt logprobs differ in rounding
+wherever a token has two blocks or more, whatever they selected.
 
 A configuration the engine refuses at start is recorded as ``error``. Every run
 records the series applied to the vLLM it imported (``series``,
@@ -139,9 +139,13 @@ def run(args: argparse.Namespace) -> dict:
 
         selection_audit.install()
         audit = selection_audit.AUDIT
+    import vllm
+
     from vllm_minimax.testing import triton_indexer
 
-    triton_indexer.install_ascending_rows()
+    sort_rows = vllm.__version__ in triton_indexer.ROW_ORDER_PREFILL_RELEASES
+    if sort_rows:
+        triton_indexer.install_ascending_rows()
     speculative_config = None
     if args.mtp:
         from vllm_minimax.testing import mtp_draft
@@ -172,7 +176,7 @@ def run(args: argparse.Namespace) -> dict:
         disable_log_stats=not args.mtp,
     )
     result: dict = {"engine_start_s": round(time.perf_counter() - started, 1)}
-    result["triton_rows"] = "ascending"
+    result["triton_rows"] = "ascending" if sort_rows else "as written"
     if args.mtp:
         result["speculative"] = speculative_summary(llm)
         try:

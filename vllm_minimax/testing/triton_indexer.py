@@ -15,7 +15,7 @@ both writing the shared buffer's `[H, tokens, topk]` transposed view.
 
 `sort_rows_ascending_` / `install_ascending_rows` put the engine's Triton rows in the
 order FlashInfer writes them (ascending block ids, `-1` padding last), for engine
-comparisons whose attend sums blocks in row order.
+comparisons on the releases in `ROW_ORDER_PREFILL_RELEASES`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ import torch
 from vllm_minimax.testing.patched_module import split_decodes_and_prefills, temporary_modules
 
 TRITON_INDEX_TOPK_ENV = "VLLM_MINIMAX_TRITON_INDEX_TOPK"
+# Releases whose Hopper prefill attend sums a row's blocks in row order (vLLM 0.33.0's
+# generic `common/ops/sparse_attn.py` kernel). 0.34.0's Hopper prefill kernel walks the
+# blocks in ascending id whatever the row order, so its prefill logprobs do not depend on
+# it; the engine comparisons there were calibrated with the rows as the Triton top-k
+# writes them, and keep them so.
+ROW_ORDER_PREFILL_RELEASES = frozenset({"0.33.0"})
 
 
 class _CudaPlatform:
