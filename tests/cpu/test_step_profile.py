@@ -3,6 +3,7 @@ hand-made torch-profiler trace whose answers are worked out below."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 from pathlib import Path
@@ -140,7 +141,7 @@ def test_only_the_steps_asked_for_are_reported():
 
 
 def test_every_step_of_a_mixed_run_holds_a_prefill_chunk_beside_the_decodes():
-    parsed = step_profile.argparse.Namespace(
+    parsed = argparse.Namespace(
         mixed_long_context=98304, max_num_batched_tokens=8192, decode_batch=4,
         decode_context=256, mixed_decodes=3,
     )  # fmt: skip
