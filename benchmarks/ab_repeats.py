@@ -3,11 +3,14 @@
     python -m benchmarks.ab_repeats DIR [DIR ...] --out OUT [--tensor-parallel-size 8]
 
 Each DIR holds one ``ab.json`` (``scripts/m3-rank-h200 ab REP ...`` writes one per call);
-a DIR with sub-directories holding ``ab.json`` stands for all of them. For every scenario
-and concurrency the table gives, per arm, the median over the repetitions of output tok/s
-and of TTFT and TPOT p50 / p99, each with its range (min to max); the ratio of the arms'
-tok/s is taken within each repetition (same machine, back to back) and summarised the same
-way. The arms are matched by name, whatever their order in a run.
+a DIR with sub-directories holding ``ab.json`` stands for all of them. A run may hold several
+rounds (``eval ab --repeat``); every measured level counts once. For every scenario and
+concurrency the table gives, per arm, the median over the measurements of output tok/s, of
+TTFT and TPOT p50 / p99 and of ITL p50 (the median gap between two tokens of a request,
+i.e. the decode step as a client sees it, where TPOT also carries the prefill chunks
+scheduled beside the decodes), each with its range (min to max); the ratio of the arms'
+tok/s is taken within each round of a run (same machine, back to back) and summarised the
+same way. The arms are matched by name, whatever their order in a run.
 
 A TP-N rank's slice produces every output token the whole deployment produces: its tok/s
 is an upper bound on the deployment's (the collectives are left out) and tok/s per GPU is
@@ -30,6 +33,7 @@ METRICS = (
     ("TTFT p99 ms", lambda level: level["ttft_ms"]["p99"]),
     ("TPOT p50 ms", lambda level: level.get("tpot_ms", {}).get("p50")),
     ("TPOT p99 ms", lambda level: level.get("tpot_ms", {}).get("p99")),
+    ("ITL p50 ms", lambda level: level.get("itl_ms", {}).get("p50")),
 )
 
 
@@ -56,7 +60,8 @@ def collect(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, l
 
 
 def ratios(runs: Sequence[dict[str, Any]], numerator: str, denominator: str) -> dict:
-    """(scenario, concurrency) -> numerator / denominator tok/s, one per run holding both."""
+    """(scenario, concurrency) -> numerator / denominator tok/s, one per round of a run that
+    measured both arms (a run's rounds are its `--repeat` rounds, each level tagged with it)."""
     out: dict[tuple[str, int], list[float]] = {}
     for run in runs:
         by_arm = {arm["name"]: arm.get("throughput") or {} for arm in run["arms"]}
@@ -64,15 +69,18 @@ def ratios(runs: Sequence[dict[str, Any]], numerator: str, denominator: str) -> 
             continue
         levels = {
             name: {
-                (s["name"], level["concurrency"]): level["output_tokens_per_s"]
+                (s["name"], level["concurrency"], level.get("round", 0)): level[
+                    "output_tokens_per_s"
+                ]
                 for s in by_arm[name].get("scenarios", [])
                 for level in s["levels"]
             }
             for name in (numerator, denominator)
         }
-        for key, value in levels[numerator].items():
-            if key in levels[denominator] and levels[denominator][key]:
-                out.setdefault(key, []).append(value / levels[denominator][key])
+        for (scenario, concurrency, round_), value in sorted(levels[numerator].items()):
+            other = levels[denominator].get((scenario, concurrency, round_))
+            if other:
+                out.setdefault((scenario, concurrency), []).append(value / other)
     return out
 
 
@@ -123,7 +131,7 @@ def summarise(runs: Sequence[dict[str, Any]], arms: Sequence[str], tp: int) -> d
 def markdown(summary: dict[str, Any]) -> str:
     arms = summary["arms"]
     lines = [
-        f"# {' vs '.join(arms)}: {summary['runs']} runs, median [min-max] (n = runs)",
+        f"# {' vs '.join(arms)}: {summary['runs']} runs, median [min-max] (n = measurements)",
         "",
         f"tok/s per GPU is the slice's tok/s / {summary['tensor_parallel_size']}.",
         "",

@@ -72,3 +72,27 @@ def test_no_runs_exit_2(tmp_path, capsys):
     assert ab_repeats.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert "no ab.json" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_rounds_of_one_run_pair_by_round_and_itl_is_reported(tmp_path):
+    """`eval ab --repeat 2` in one ab.json: each round's ratio comes from that round."""
+    run = _run(["triton", "flashinfer"], {"triton": 800.0, "flashinfer": 880.0})
+    for arm, second in zip(run["arms"], (400.0, 600.0), strict=True):
+        (scenario,) = arm["throughput"]["scenarios"]
+        first = scenario["levels"][0]
+        first["round"] = 0
+        first["itl_ms"] = {"p50": 17.0}
+        scenario["levels"].append({**_level(32, second, 900, 20), "round": 1})
+    (tmp_path / "ab.json").write_text(json.dumps(run))
+    assert ab_repeats.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    (point,) = json.loads((tmp_path / "out" / "repeats.json").read_text())["points"]
+    # 880/800 in round 0 and 600/400 in round 1, never 600/800 or 880/400.
+    assert sorted(point["ratio"][k] for k in ("min", "max")) == pytest.approx([1.1, 1.5])
+    assert point["arms"]["triton"]["tok/s"]["n"] == 2
+    assert point["arms"]["triton"]["ITL p50 ms"] == {
+        "median": 17.0,
+        "min": 17.0,
+        "max": 17.0,
+        "n": 1,
+    }
+    assert "triton ITL p50 ms" in (tmp_path / "out" / "repeats.md").read_text()
