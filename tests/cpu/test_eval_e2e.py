@@ -20,6 +20,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -207,14 +208,16 @@ AGREEMENT_PROBE = Path(__file__).parent / "client_agreement_probe.py"
 AGREEMENT_SHAPE = {"input_tokens": 256, "output_tokens": 32, "num_requests": 32}
 AGREEMENT_CONCURRENCY = (1, 4)
 AGREEMENT_ROUNDS = 3
-# Each client's best round (highest tok/s, lowest latency) may differ from the other's by this
+# Within each round the two clients run the level back to back (in alternated order); the
+# median over the rounds of bench's figure over this project's may differ from 1 by this
 # factor either way. On two shared cores a whole round sometimes runs at a third of the speed
-# of the others, for whichever client holds it (c=4, 32 requests: 1606, 1449, 489 tok/s for
-# this project's client, 1249, 1284, 490 for bench in one run), so the median of three rounds
-# could fall on two slowed rounds of one client and part the clients 2.3x; the best round of
-# each is the client undisturbed. 1.6 still fails a level run at the wrong concurrency (c=1
-# and c=4 differ 2.5x in tok/s here) or tok/s per request instead of per level (3.6x at c=4),
-# which slow every round.
+# of the others (c=4, 32 requests: 1606, 1449, 489 tok/s for this project's client, 1249,
+# 1284, 490 for bench in one run), and the speed can change between the two halves of a
+# round when a lane run beside this one ends (bench 646, 478, 1144 against 460, 457, 567 in
+# another): a client's median, or its best round, then parts the clients by 2x or more, while
+# the median of the per-round ratios rests on the undisturbed rounds. 1.6 still fails a level
+# run at the wrong concurrency (c=1 and c=4 differ 2.5x in tok/s here) or tok/s per request
+# instead of per level (3.6x at c=4), which shift every round.
 # TTFT and TPOT are compared exactly through bench's per-request timings instead: a level
 # whose chunks arrive bunched (a starved client) has TPOT near 0 and TTFT near E2E.
 AGREEMENT_TOLERANCE = 1.6
@@ -255,21 +258,22 @@ def test_vllm_bench_and_the_own_client_agree(server: VllmServer, tiny_llama: Pat
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms"):
             for stat in ("mean", "p50", "p90", "p99"):
                 assert level[key][stat] == pytest.approx(ours[key][stat], rel=1e-6), (key, stat)
-    # Timing: each client's best of the alternated rounds agree within AGREEMENT_TOLERANCE.
+    # Timing: the median over the rounds of the clients' ratio within a round.
     for concurrency in AGREEMENT_CONCURRENCY:
-        for metric, best in (
-            (lambda lv: lv["output_tokens_per_s"], max),
-            (lambda lv: lv["e2e_latency_ms"]["p50"], min),
+        for metric in (
+            lambda lv: lv["output_tokens_per_s"],
+            lambda lv: lv["e2e_latency_ms"]["p50"],
         ):
-            rounds = {
-                client: [
-                    metric(lv) for lv in levels
-                    if lv["client"] == client and lv["concurrency"] == concurrency
-                ]
-                for client in ("own", "vllm-bench")
-            }  # fmt: skip
-            ratio = best(rounds["vllm-bench"]) / best(rounds["own"])
-            assert 1 / AGREEMENT_TOLERANCE <= ratio <= AGREEMENT_TOLERANCE, (concurrency, rounds)
+            by_round = {
+                (lv["client"], lv["round"]): metric(lv)
+                for lv in levels
+                if lv["concurrency"] == concurrency
+            }
+            ratios = [
+                by_round[("vllm-bench", r)] / by_round[("own", r)] for r in range(AGREEMENT_ROUNDS)
+            ]
+            ratio = statistics.median(ratios)
+            assert 1 / AGREEMENT_TOLERANCE <= ratio <= AGREEMENT_TOLERANCE, (concurrency, ratios)
 
 
 def test_server_dying_mid_run_keeps_the_finished_levels(
