@@ -64,10 +64,10 @@ class EngineRun:
 
 
 ENGINE_RUNS = {
-    "triton-eager": EngineRun("triton"),
+    "triton-eager": EngineRun("triton", audit=True),
     "flashinfer-eager": EngineRun("flashinfer", audit=True),
     "auto-graphs": EngineRun("auto", graphs=True, audit=True),
-    "triton-graphs": EngineRun("triton", graphs=True),
+    "triton-graphs": EngineRun("triton", graphs=True, audit=True),
     "bf16-auto-eager": EngineRun("auto", kv_dtype="bf16"),
     "bf16-flashinfer-eager": EngineRun("flashinfer", kv_dtype="bf16"),
     "mtp-triton-eager": EngineRun("triton", mtp=E2E_MTP_TOKENS),

@@ -4,9 +4,10 @@
         [--graphs] [--audit] [--mtp K] --out run.json
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
-`--audit` can check the FlashInfer indexer's selections inside it
-(`selection_audit`). Prompts are random token ids from a fixed seed, identical
-in every run, submitted in two workloads:
+`--audit` can check the FlashInfer indexer's selections inside it, and name the
+rows where vLLM's Triton indexer leaves or ties the reference (`selection_audit`).
+Prompts are random token ids from a fixed seed, identical in every run, submitted
+in two workloads:
 
 - ``long``: three prompts of 8k, 16k and 30k tokens (the indexer keeps 16 of up
   to 235 blocks), greedy, prompt logprobs on;
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace) -> dict:
         from vllm_minimax.testing import selection_audit
 
         selection_audit.install()
+        selection_audit.install_triton()
         audit = selection_audit.AUDIT
     import vllm
 
@@ -223,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=["auto", "flashinfer", "triton"], required=True)
     parser.add_argument("--kv-dtype", choices=["fp8", "bf16"], default="fp8")
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs on (not eager)")
-    parser.add_argument("--audit", action="store_true", help="check FlashInfer selections")
+    parser.add_argument(
+        "--audit", action="store_true", help="check FlashInfer selections, name Triton's"
+    )
     parser.add_argument(
         "--mtp",
         type=int,

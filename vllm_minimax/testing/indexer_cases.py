@@ -404,31 +404,72 @@ def selection_values(sel: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     return g.sort(-1, descending=True).values
 
 
+# value_check's tolerance: two block scores this close count as equal.
+VALUE_ATOL = 1e-3
+VALUE_RTOL = 1e-3
+
+
+def value_rows_ok(
+    got: torch.Tensor,
+    want_values: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    atol: float = VALUE_ATOL,
+    rtol: float = VALUE_RTOL,
+) -> torch.Tensor:
+    """(T, H) bool: the row's selected blocks' reference scores equal `want_values`
+    (a multiset, within the tolerance)."""
+    gv = selection_values(got, scores)
+    close = torch.isclose(gv, want_values, atol=atol, rtol=rtol) | (
+        torch.isneginf(gv) & torch.isneginf(want_values)
+    )
+    return close.all(-1)
+
+
 def value_check(
     got: torch.Tensor,
     want_values: torch.Tensor,
     scores: torch.Tensor,
     *,
     want_sel: torch.Tensor | None = None,
-    atol: float = 1e-3,
-    rtol: float = 1e-3,
+    atol: float = VALUE_ATOL,
+    rtol: float = VALUE_RTOL,
 ) -> SelectionComparison:
     """Tie-tolerant, all rows: the selected blocks' reference scores equal
     `want_values` (a multiset, as `reference.compare_selections` does)."""
-    gv = selection_values(got, scores)
-    close = torch.isclose(gv, want_values, atol=atol, rtol=rtol) | (
-        torch.isneginf(gv) & torch.isneginf(want_values)
-    )
-    ok = close.all(-1)
+    ok = value_rows_ok(got, want_values, scores, atol=atol, rtol=rtol)
     exact = ok if want_sel is None else (got == want_sel).all(-1)
     first = None
     bad = (~ok).nonzero()
     if bad.numel():
         t, h = bad[0].tolist()
+        gv = selection_values(got, scores)
         first = f"token {t} head {h}: got {got[t, h].tolist()} scores {gv[t, h].tolist()} want {want_values[t, h].tolist()}"  # noqa: E501
     return SelectionComparison(
         rows=ok.numel(), exact_rows=int(exact.sum()), value_rows=int(ok.sum()), first_mismatch=first
     )
+
+
+def boundary_gap(scores: torch.Tensor, nvp: torch.Tensor, *, fb: int, fe: int) -> torch.Tensor:
+    """(T, H) float32: the reference score of the weakest block the top-k keeps on
+    its score (forced blocks aside) less that of the strongest block it leaves out;
+    0 where the top-k is not unique, `inf` where every block of the extent is kept
+    (at most 16 blocks) or nothing but forced blocks is kept."""
+    H, tiles, T = scores.shape
+    if tiles <= TOPK:
+        return torch.full((T, H), float("inf"), device=scores.device)
+    s = scores.permute(2, 0, 1)  # (T, H, tiles)
+    idx = torch.arange(tiles, device=scores.device)[None, :]
+    nvp = nvp.long().clamp(max=tiles)[:, None]
+    begin, end_start = forced_mask_counts(nvp, fb, fe)
+    in_ext = idx < nvp
+    forced = (idx < begin) | ((idx >= end_start) & in_ext)
+    key = torch.where(in_ext[:, None, :], s, float("-inf"))
+    key = torch.where(forced[:, None, :], float("inf"), key)
+    top = key.topk(TOPK + 1, dim=-1).values  # (T, H, 17), descending
+    kept, left = top[..., TOPK - 1], top[..., TOPK]
+    both = torch.isfinite(kept) & torch.isfinite(left)
+    return torch.where(both, kept - left, float("inf"))
 
 
 def reference_subsample(batch: Batch, limit: int = 192) -> torch.Tensor:

@@ -21,6 +21,18 @@ draft's layers (`mtp_draft`) count as `draft-` kinds. Decode calls also count
 their rows by query length (`decode_query_lens`): 1 + K for a target verifying K
 speculated tokens.
 
+Both audits also record the rows at `RECORDED_POSITIONS` (the first 64
+positions where blocks are dropped) whole: request, position, layer, head,
+whether the selection is a reference top-k by value, the reference's gap at its
+16th block (`boundary_gap`) and the selected blocks. Requests are numbered 0, 1,
+... in the order their first token is scheduled (`RequestOrder`). Two runs'
+records say at which row, if any, their selections first differ.
+
+`install_triton()` runs the same reference over vLLM's own
+`MiniMaxM3IndexerTritonImpl` (`AUDIT.triton`). It asserts nothing about
+Triton's choices; it counts the rows that are a reference top-k by value, and
+records its rows as above.
+
 Only while `AUDIT.enabled` (the driver turns it on around its own requests;
 warm-up, profiling and capture batches run over uninitialised cache pages).
 """
@@ -29,11 +41,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 
 from vllm_minimax.testing import mtp_draft, reference
-from vllm_minimax.testing.indexer_cases import expected_topk_values, value_check, vector_invariants
+from vllm_minimax.testing.indexer_cases import (
+    boundary_gap,
+    expected_topk_values,
+    value_check,
+    value_rows_ok,
+    vector_invariants,
+)
 
 PAGE = 128
 
@@ -48,17 +67,79 @@ class AuditCounts:
 
 
 @dataclass
+class RequestOrder:
+    """Numbers requests 0, 1, ... in the order their first token (position 0) is
+    scheduled, and finds them again in later steps by their first KV block (which a
+    request keeps while it runs, with prefix caching off). With first-come,
+    first-served scheduling that is the order of submission. `extents[n]`: the
+    positions request n has been seen at in audited steps (its last position + 1;
+    full-graph decode steps run no audit)."""
+
+    by_first_block: dict[int, int] = field(default_factory=dict)
+    extents: list[int] = field(default_factory=list)
+
+    def number(self, query_start_loc: list[int], first_blocks: list[int], positions) -> list[int]:
+        """The number of each request of a step (-1: not seen starting)."""
+        numbers = []
+        for r, block in enumerate(first_blocks):
+            start, end = query_start_loc[r], query_start_loc[r + 1]
+            if end == start:
+                numbers.append(-1)
+                continue
+            if int(positions[start]) == 0:
+                self.by_first_block[block] = len(self.extents)
+                self.extents.append(0)
+            n = self.by_first_block.get(block, -1)
+            if n >= 0:
+                self.extents[n] = max(self.extents[n], int(positions[end - 1]) + 1)
+            numbers.append(n)
+        return numbers
+
+
+# Where a FlashInfer-against-Triton pair may first part (test_engine.py's bound): the
+# first 64 positions at which a request has more than 16 blocks.
+RECORDED_POSITIONS = range(16 * PAGE, 16 * PAGE + 64)
+
+
+@dataclass
+class TritonCounts:
+    """What `install_triton()` saw of vLLM's Triton indexer: its rows, and those
+    whose selection is a reference top-k by value."""
+
+    steps: int = 0
+    rows: int = 0
+    value_rows: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return {
+            "steps": self.steps,
+            "rows": self.rows,
+            "value_rows": self.value_rows,
+            "problems": self.problems[:10],
+            "num_problems": len(self.problems),
+        }
+
+
+@dataclass
 class Audit:
     enabled: bool = False
     steps: int = 0
     mixed_steps: int = 0
     by_kind: dict[str, AuditCounts] = field(default_factory=dict)
+    triton: TritonCounts = field(default_factory=TritonCounts)
+    requests: RequestOrder = field(default_factory=RequestOrder)
+    # Per row at RECORDED_POSITIONS: [request, position, layer, head, exact, gap, *blocks].
+    recorded: list[list] = field(default_factory=list)
 
     def counts(self, kind: str) -> AuditCounts:
         return self.by_kind.setdefault(kind, AuditCounts())
 
     def summary(self) -> dict:
-        return {
+        summary: dict = {"triton": self.triton.summary()} if self.triton.steps else {}
+        return summary | {
+            "request_extents": self.requests.extents,
+            "recorded": self.recorded,
             "steps": self.steps,
             "mixed_steps": self.mixed_steps,
             "by_kind": {
@@ -80,7 +161,7 @@ class Audit:
 AUDIT = Audit()
 
 
-@dataclass(frozen=True)
+@dataclass
 class EngineStep:
     """What the engine handed the builder for one step (CPU copies)."""
 
@@ -89,6 +170,10 @@ class EngineStep:
     block_table: torch.Tensor
     positions: torch.Tensor
     local_blocks: int
+    # Per request, its `RequestOrder` number: set by the step's first audited forward
+    # of a target layer (`numbered`), so that an MTP draft's builds of the same step
+    # number nothing.
+    request_numbers: list[int] | None = None
 
     @classmethod
     def of(cls, common, vllm_config) -> EngineStep:
@@ -104,6 +189,15 @@ class EngineStep:
             positions=common.positions[: common.num_actual_tokens].cpu().clone(),
             local_blocks=model_local_blocks(text_config, vllm.__version__),
         )
+
+    def numbered(self, requests: RequestOrder) -> list[int]:
+        """The step's request numbers, numbering its requests on the first call."""
+        if self.request_numbers is None:
+            first_blocks = self.block_table[:, 0].tolist()
+            self.request_numbers = requests.number(
+                self.query_start_loc, first_blocks, self.positions
+            )
+        return self.request_numbers
 
     def requests_of(self, token_start: int, token_end: int) -> tuple[int, int] | None:
         """The requests whose query tokens are exactly [token_start, token_end)."""
@@ -157,6 +251,8 @@ def _audit_step(impl, index_query: torch.Tensor) -> None:
     mixed = len(kinds) == 2
     AUDIT.mixed_steps += int(mixed)
     layer = "draft-" if mtp_draft.is_draft_layer_name(impl.index_cache.prefix) else ""
+    if not layer:
+        step.numbered(AUDIT.requests)
     covered = 0
     for call in md.calls:
         side = "prefill" if call.is_prefill else "decode"
@@ -198,8 +294,92 @@ def _audit_step(impl, index_query: torch.Tensor) -> None:
         counts.value_rows += check.value_rows
         if check.first_mismatch:
             counts.problems.append(check.first_mismatch)
+        if not layer:
+            forced = (force_begin, force_end)
+            _record_rows(impl, step, call.token_start, got, want, scores, nvp, forced)
     if covered != num_tokens:
         AUDIT.counts("coverage").problems.append(f"calls end at {covered} of {num_tokens} tokens")
+
+
+def _layer_number(prefix: str) -> int:
+    """The decoder layer index in a layer prefix (`model.layers.12.self_attn...`), or -1."""
+    parts = prefix.split(".")
+    for name, value in pairwise(parts):
+        if name == "layers" and value.isdigit():
+            return int(value)
+    return -1
+
+
+def _record_rows(
+    impl,
+    step: EngineStep,
+    token_start: int,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    scores: torch.Tensor,
+    nvp: torch.Tensor,
+    forced: tuple[int, int],
+) -> None:
+    """Append to `AUDIT.recorded` the rows of tokens `token_start + i` (for row i of
+    `got`) whose position is in `RECORDED_POSITIONS`; `forced`: the leading and
+    trailing forced block counts."""
+    positions = step.positions[token_start : token_start + got.shape[0]]
+    wanted = (positions >= RECORDED_POSITIONS.start) & (positions < RECORDED_POSITIONS.stop)
+    if not bool(wanted.any()):
+        return
+    exact = value_rows_ok(got, want, scores).tolist()
+    gap = boundary_gap(scores, nvp, fb=forced[0], fe=forced[1]).tolist()
+    token_request = torch.bucketize(
+        torch.arange(token_start, token_start + got.shape[0]),
+        torch.tensor(step.query_start_loc[1:]),
+        right=True,
+    ).tolist()
+    layer = _layer_number(impl.index_cache.prefix)
+    rows = got.tolist()
+    for i in wanted.nonzero().flatten().tolist():
+        request = step.numbered(AUDIT.requests)[token_request[i]]
+        for head, blocks in enumerate(rows[i]):
+            entry = [request, int(positions[i]), layer, head, int(exact[i][head]), gap[i][head]]
+            AUDIT.recorded.append(entry + sorted(b for b in blocks if b >= 0))
+
+
+def _audit_triton_step(impl, index_query: torch.Tensor) -> None:
+    from vllm.models.minimax_m3.common import indexer as common_indexer
+
+    attn_metadata = common_indexer.get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):
+        return
+    counts = AUDIT.triton
+    counts.steps += 1
+    step = _ENGINE_STEPS.get(id(attn_metadata[impl.index_cache.prefix]))
+    if step is None:
+        counts.problems.append("metadata not built by the audited builder")
+        return
+    if impl.topk_indices_buffer is None:
+        counts.problems.append("the impl has no shared top-k buffer")
+        return
+    step.numbered(AUDIT.requests)
+    num_tokens = step.query_start_loc[-1]
+    q_all = index_query[:num_tokens].view(-1, impl.num_index_heads, impl.index_head_dim)
+    device = q_all.device
+    kv = impl.index_cache.kv_cache
+    force_begin = min(impl.init_blocks, impl.topk_blocks)
+    force_end = min(step.local_blocks, impl.topk_blocks - force_begin)
+    scores = reference.proxy_score(
+        q_all,
+        kv.view(kv.shape[0], 1, PAGE, impl.index_head_dim),
+        torch.tensor(step.query_start_loc, device=device),
+        page_table=step.block_table,
+        seqused_k=step.seq_lens.to(device),
+        max_k_tiles=-(-int(step.seq_lens.max()) // PAGE),
+    )
+    nvp = (step.positions // PAGE + 1).to(device=device, dtype=torch.int32)
+    got = impl.topk_indices_buffer[:num_tokens]
+    want = expected_topk_values(scores, nvp, fb=force_begin, fe=force_end)
+    exact = value_rows_ok(got, want, scores)
+    counts.rows += exact.numel()
+    counts.value_rows += int(exact.sum())
+    _record_rows(impl, step, 0, got, want, scores, nvp, (force_begin, force_end))
 
 
 def _capturing(tensor: torch.Tensor) -> bool:
@@ -235,4 +415,37 @@ def install() -> Callable[[], None]:
 
     MiniMaxM3IndexerFlashInferImpl.forward = audited_forward
     MiniMaxM3IndexerFlashInferMetadataBuilder.build = audited_build
+    return restore
+
+
+def install_triton() -> Callable[[], None]:
+    """Wrap vLLM's `MiniMaxM3IndexerTritonMetadataBuilder.build` and
+    `MiniMaxM3IndexerTritonImpl.forward` (class-wide) for `AUDIT.triton`; returns a
+    function that restores both."""
+    from vllm.models.minimax_m3.common.indexer import (
+        MiniMaxM3IndexerTritonImpl,
+        MiniMaxM3IndexerTritonMetadataBuilder,
+    )
+
+    original_forward = MiniMaxM3IndexerTritonImpl.forward
+    original_build = MiniMaxM3IndexerTritonMetadataBuilder.build
+
+    def audited_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        metadata = original_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+        if AUDIT.enabled and not _capturing(common_attn_metadata.seq_lens):
+            _record_step(metadata, EngineStep.of(common_attn_metadata, self.vllm_config))
+        return metadata
+
+    def audited_forward(self, index_query, *args, **kwargs):
+        result = original_forward(self, index_query, *args, **kwargs)
+        if AUDIT.enabled and not _capturing(index_query):
+            _audit_triton_step(self, index_query)
+        return result
+
+    def restore() -> None:
+        MiniMaxM3IndexerTritonImpl.forward = original_forward
+        MiniMaxM3IndexerTritonMetadataBuilder.build = original_build
+
+    MiniMaxM3IndexerTritonImpl.forward = audited_forward
+    MiniMaxM3IndexerTritonMetadataBuilder.build = audited_build
     return restore

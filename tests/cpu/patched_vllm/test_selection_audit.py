@@ -100,3 +100,20 @@ def test_a_window_other_than_the_model_configs_is_caught(monkeypatch, audit):
     impl.local_blocks = 0  # the model config says 1
     run_forward(monkeypatch, impl, md, index_query)
     assert any("forced block missing" in p for p in _problems(audit)), audit.summary()
+
+
+def test_rows_at_the_recorded_positions_are_kept_whole(monkeypatch, audit):
+    """The prefill's second request (2049 tokens from position 0) reaches position
+    2048, the first recorded one: its row per head, numbered as the second request
+    to start, with the blocks the impl wrote."""
+    impl, md, index_query = _step(monkeypatch, "prefill")
+    run_forward(monkeypatch, impl, md, index_query)
+    summary = audit.summary()
+    assert summary["request_extents"] == [300, 2049]
+    token = 300 + 2048
+    written = impl.topk_indices_buffer[token].tolist()
+    rows = summary["recorded"]
+    assert [row[:5] for row in rows] == [[1, 2048, 1, head, 1] for head in range(2)]
+    assert [row[6:] for row in rows] == [sorted(b for b in w if b >= 0) for w in written]
+    # 17 blocks, the last forced: 15 of 16 kept on their score, random keys leave a gap.
+    assert all(len(row[6:]) == 16 and 0 < row[5] < float("inf") for row in rows)
