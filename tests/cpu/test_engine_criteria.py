@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 TEST_ENGINE = Path(__file__).resolve().parents[1] / "gpu_e2e" / "test_engine.py"
-PROMPT = 2200
+PROMPTS = (2200, 2300)  # requests 0 and 1
 NEW_TOKENS = 4
 LAYER, HEADS = 3, 2
 
@@ -43,17 +43,17 @@ class Run:
         return self.data["workloads"][name]["requests"]
 
 
-def request(logprobs: list[float]) -> dict:
+def request(prompt: int, logprobs: list[float]) -> dict:
     return {
-        "prompt_tokens": PROMPT,
+        "prompt_tokens": prompt,
         "prompt_logprobs": [None, *logprobs],
         "token_ids": list(range(NEW_TOKENS)),
         "steps": [],
     }
 
 
-def recorded(blocks_of, exact: int = 1) -> list[list]:
-    """Rows of requests 0 and 1 at every recorded position, blocks from `blocks_of`."""
+def recorded(blocks_of, exact: int) -> list[list]:
+    """Rows of audit requests 0 and 1 at every recorded position."""
     rows = []
     for n in range(2):
         for position in test_engine.RECORDED_POSITIONS:
@@ -67,11 +67,24 @@ def same_blocks(n: int, position: int, head: int) -> list[int]:
     return [*range(15), position // 128]
 
 
-def run_pair(parting: int | None, triton_blocks=same_blocks, *, fi_exact=1, audit=True):
-    """FlashInfer and Triton runs of two requests; request 1's logprobs part at
-    `parting` (and stay parted), request 0's never do."""
+def differing_at(at: int, audit_request: int):
+    """Triton's blocks: one block swapped in `audit_request`'s rows from `at` on."""
+
+    def blocks(n: int, position: int, head: int) -> list[int]:
+        chosen = same_blocks(n, position, head)
+        if n == audit_request and position >= at and head == 1:
+            chosen[0] = 15
+        return sorted(chosen)
+
+    return blocks
+
+
+def run_pair(parting, triton_blocks=same_blocks, *, fi_exact=1, audit=True, started=(0, 1)):
+    """FlashInfer and Triton runs of requests 0 and 1 (prompts `PROMPTS`); request 1's
+    logprobs part at `parting` (and stay parted), request 0's never do. `started`:
+    the requests in the order the audit saw them start (its numbering)."""
     rng = random.Random(0)
-    base = [[-rng.random() for _ in range(PROMPT - 1)] for _ in range(2)]
+    base = [[-rng.random() for _ in range(prompt - 1)] for prompt in PROMPTS]
     other = [list(lp) for lp in base]
     if parting is not None:
         other[1][parting:] = [lp - 0.02 for lp in other[1][parting:]]
@@ -82,27 +95,17 @@ def run_pair(parting: int | None, triton_blocks=same_blocks, *, fi_exact=1, audi
     ):
         data: dict = {
             "workloads": {
-                "long": {"requests": [request(logprobs[0])]},
-                "mixed": {"requests": [request(logprobs[1])]},
+                "long": {"requests": [request(PROMPTS[0], logprobs[0])]},
+                "mixed": {"requests": [request(PROMPTS[1], logprobs[1])]},
             }
         }
         if audit:
             data["audit"] = {
-                "request_extents": [PROMPT + NEW_TOKENS - 1] * 2,
+                "request_extents": [PROMPTS[i] + NEW_TOKENS - 1 for i in started],
                 "recorded": recorded(blocks, exact),
             }
         runs[name] = Run(name, data)
     return runs
-
-
-def differing_at(at: int):
-    def blocks(n: int, position: int, head: int) -> list[int]:
-        chosen = same_blocks(n, position, head)
-        if n == 1 and position >= at and head == 1:
-            chosen[0] = 15  # another block at the boundary
-        return sorted(chosen)
-
-    return blocks
 
 
 def check(runs, tmp_path) -> None:
@@ -115,9 +118,12 @@ def test_a_parting_past_the_bound_needs_no_record(tmp_path):
     check(run_pair(2112 + 5, audit=False), tmp_path)
 
 
-def test_an_early_parting_at_a_recorded_selection_difference_passes(tmp_path):
-    check(run_pair(2061, differing_at(2061)), tmp_path)
-    check(run_pair(2061, differing_at(2058)), tmp_path)
+@pytest.mark.parametrize(("at", "started"), [(2061, (0, 1)), (2058, (0, 1)), (2061, (1, 0))])
+def test_an_early_parting_at_a_recorded_selection_difference_passes(tmp_path, at, started):
+    """Request 1's difference, wherever the audit numbered it (it is audit request 0
+    when it started first)."""
+    audit_request = started.index(1)
+    check(run_pair(2061, differing_at(at, audit_request), started=started), tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -126,8 +132,10 @@ def test_an_early_parting_at_a_recorded_selection_difference_passes(tmp_path):
         "no audit",
         "same selections",
         "difference after the parting",
+        "difference in a request of another length",
         "flashinfer row not exact",
         "a request missed",
+        "the runs started the requests in other orders",
     ],
 )
 def test_an_unexplained_early_parting_fails(tmp_path, case):
@@ -136,11 +144,16 @@ def test_an_unexplained_early_parting_fails(tmp_path, case):
     elif case == "same selections":
         runs = run_pair(2061)
     elif case == "difference after the parting":
-        runs = run_pair(2061, differing_at(2070))
+        runs = run_pair(2061, differing_at(2070, 1))
+    elif case == "difference in a request of another length":
+        runs = run_pair(2061, differing_at(2061, 0))
     elif case == "flashinfer row not exact":
-        runs = run_pair(2061, differing_at(2061), fi_exact=0)
+        runs = run_pair(2061, differing_at(2061, 1), fi_exact=0)
+    elif case == "a request missed":
+        runs = run_pair(2061, differing_at(2061, 1))
+        runs["triton-eager"].data["audit"]["request_extents"].pop()
     else:
-        runs = run_pair(2061, differing_at(2061))
-        runs["triton-eager"].data["audit"]["request_extents"] = [PROMPT + NEW_TOKENS - 1]
+        runs = run_pair(2061, differing_at(2061, 1))
+        runs["triton-eager"].data["audit"]["request_extents"].reverse()
     with pytest.raises(AssertionError):
         check(runs, tmp_path)

@@ -83,6 +83,11 @@ def _ok(results, name):
     return run
 
 
+def audit_counts(audit: dict) -> dict:
+    """An audit summary less its recorded rows (thousands; compared, not printed)."""
+    return {key: value for key, value in audit.items() if key != "recorded"}
+
+
 def _summary(e2e_dir, key: str, value) -> None:
     path = e2e_dir / "summary.json"
     data = json.loads(path.read_text()) if path.exists() else {}
@@ -189,7 +194,7 @@ AUDITED_KINDS = {
 @pytest.mark.parametrize("name", sorted(AUDITED_KINDS))
 def test_every_selection_matches_the_reference(engine_results, e2e_dir, name):
     audit = _ok(engine_results, name).data["audit"]
-    _summary(e2e_dir, f"audit/{name}", audit)
+    _summary(e2e_dir, f"audit/{name}", audit_counts(audit))
     kinds = audit["by_kind"]
     assert audit["steps"] > 0 and audit["mixed_steps"] > 0
     assert set(kinds) == AUDITED_KINDS[name], kinds
@@ -209,63 +214,95 @@ def test_graphs_reproduce_eager(engine_results, eager, graphs):
         assert ra["token_ids"] == rb["token_ids"]
 
 
-def recorded_rows(results, name: str) -> dict[tuple[int, int, int, int], list]:
-    """The run's audited rows at `RECORDED_POSITIONS`, by (request, position, layer,
-    head) with requests in `request_pairs` order: [exact, gap, *blocks]. Empty for a
-    run made without the audit."""
+def audited_requests(results, name: str) -> tuple[list[int], dict] | None:
+    """The run's audit: per audit request (numbered in the order the requests started,
+    `selection_audit.RequestOrder`), its prompt length; and its rows at
+    `RECORDED_POSITIONS` by (audit request, position, layer, head): [exact, gap,
+    *blocks]. None for a run made without the audit. Requests of one prompt length
+    are not told apart (the scheduler need not start them in submission order)."""
     run = _ok(results, name)
     audit = run.data.get("audit", {})
     if "recorded" not in audit:
-        return {}
-    # The audit numbers requests by the order their first token was scheduled; it must
-    # have seen each request of the workloads, in order, over its whole length.
+        return None
     requests = [request for w in WORKLOADS for request in run.workload(w)]
-    extents = audit["request_extents"]
-    assert len(extents) == len(requests), (name, len(extents), len(requests))
-    for n, (extent, request) in enumerate(zip(extents, requests, strict=True)):
-        prompt = request["prompt_tokens"]
-        assert prompt <= extent <= prompt + len(request["token_ids"]), (name, n, extent, prompt)
-    return {tuple(row[:4]): row[4:] for row in audit["recorded"]}
+    # Each audit request seen over its prompt at least and not past its last token.
+    spans = {(r["prompt_tokens"], r["prompt_tokens"] + len(r["token_ids"])) for r in requests}
+    prompts = []
+    for n, extent in enumerate(audit["request_extents"]):
+        fits = {prompt for prompt, end in spans if prompt <= extent <= end}
+        assert len(fits) == 1, (name, n, extent, fits)
+        prompts.append(fits.pop())
+    expected = sorted(r["prompt_tokens"] for r in requests)
+    assert sorted(prompts) == expected, (name, "the audit saw other requests", prompts)
+    return prompts, {tuple(row[:4]): row[4:] for row in audit["recorded"]}
 
 
-def first_selection_difference(a: dict, b: dict, request: int) -> dict | None:
-    """The first recorded row of `request` (by position) where the two runs' selected
-    blocks differ, with both runs' exactness and the reference gap there."""
-    keys = sorted((k for k in a if k[0] == request and k in b), key=lambda k: (k[1], k[2], k[3]))
-    for key in keys:
-        if a[key][2:] != b[key][2:]:
-            _, position, layer, head = key
-            return {
+def selection_differences(a: dict, b: dict) -> dict[int, dict]:
+    """Per audit request, the first recorded row (by position) where two runs'
+    selected blocks differ, with both runs' exactness and the reference gap there."""
+    first: dict[int, dict] = {}
+    for key in sorted(set(a) & set(b), key=lambda k: (k[0], k[1], k[2], k[3])):
+        request, position, layer, head = key
+        if request not in first and a[key][2:] != b[key][2:]:
+            first[request] = {
                 "position": position,
                 "layer": layer,
                 "head": head,
                 "exact": [a[key][0], b[key][0]],
                 "reference_gap": b[key][1],
             }
-    return None
+    return first
+
+
+def explain_early_partings(results, pair: tuple[str, str], early: dict[int, int]) -> dict:
+    """For each request parting at `early[i]`, a selection difference of its own: an
+    audit request of the same prompt length whose recorded selections differ between
+    the runs at or before the parting, each difference used once (the earliest
+    partings first take the earliest differences). None where there is none."""
+    audits = [audited_requests(results, name) for name in pair]
+    if None in audits:
+        return {i: None for i in early}
+    (prompts, a), (prompts_b, b) = audits
+    assert prompts == prompts_b, ("the runs started their requests in another order", pair)
+    differences = selection_differences(a, b)
+    explained: dict[int, dict | None] = {}
+    used: set[int] = set()
+    requests = [request for w in WORKLOADS for request in _ok(results, pair[0]).workload(w)]
+    for i, parting in sorted(early.items(), key=lambda item: item[1]):
+        prompt = requests[i]["prompt_tokens"]
+        candidates = sorted(
+            (diff["position"], n)
+            for n, diff in differences.items()
+            if n not in used and prompts[n] == prompt and diff["position"] <= parting
+        )
+        if not candidates:
+            explained[i] = None
+            continue
+        _, n = candidates[0]
+        used.add(n)
+        explained[i] = {"audit_request": n, **differences[n]}
+    return explained
 
 
 def assert_prompt_logprobs_agree(engine_results, e2e_dir, mode: str, pair: tuple[str, str]):
     """Exact while nothing is dropped; each request's first difference at least
     `MIN_EXACT_PAST_DROP` tokens after 2048, unless both runs' audits recorded the
-    rows there (`RECORDED_POSITIONS`) and their selections differ at or before it:
-    then the parting is a selection difference, where FlashInfer's row is a reference
-    top-k (its audit), so Triton's is another one (a tie, reference gap 0 within
-    `value_check`'s tolerance) or none (Triton's row not exact). Mean |delta| bound."""
+    rows there (`RECORDED_POSITIONS`) and show a selection difference of that request
+    at or before it (`explain_early_partings`): then the parting is a selection
+    difference, where FlashInfer's row is a reference top-k (its audit), so Triton's
+    is another one (a tie within `value_check`'s tolerance, when Triton's row is
+    exact too) or none. Mean |delta| bound."""
     stats = prompt_comparison(engine_results, *pair)
     earliest = FIRST_DROPPING_POSITION + MIN_EXACT_PAST_DROP
     assert range(FIRST_DROPPING_POSITION, earliest) == RECORDED_POSITIONS
-    records = [recorded_rows(engine_results, name) for name in pair]
     early = {
         i: first
         for i, first in enumerate(stats["first_difference_at"])
         if first is not None and first < earliest
     }
+    explained = explain_early_partings(engine_results, pair, early)
     stats["parted_before_bound"] = {
-        i: {
-            "first_difference_at": first,
-            "selections_differ": first_selection_difference(*records, i),
-        }
+        i: {"first_difference_at": first, "selections_differ": explained[i]}
         for i, first in early.items()
     }
     triton_audit = _ok(engine_results, pair[1]).data.get("audit", {}).get("triton")
@@ -273,9 +310,9 @@ def assert_prompt_logprobs_agree(engine_results, e2e_dir, mode: str, pair: tuple
         stats["triton_rows"] = {k: triton_audit[k] for k in ("rows", "value_rows", "problems")}
     _summary(e2e_dir, f"prompt_logprobs/{mode}", stats)
     assert stats["exact_while_nothing_is_dropped"], stats
-    for i, first in early.items():
-        differ = stats["parted_before_bound"][i]["selections_differ"]
-        assert differ is not None and differ["position"] <= first, (i, stats)
+    for i in early:
+        differ = explained[i]
+        assert differ is not None, (i, stats)
         assert differ["exact"][0] == 1, (i, differ)  # FlashInfer's row: a reference top-k
     assert stats["mean"] <= MEAN_TOL, stats
 

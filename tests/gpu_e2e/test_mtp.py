@@ -123,7 +123,7 @@ def test_forced_indexer_serves_target_and_draft(engine_results, name):
 def audited_kinds(engine_results, e2e_dir, name: str) -> dict:
     """The run's audit by kind, after checking every audited row is clean."""
     audit = test_engine._ok(engine_results, name).data["audit"]
-    test_engine._summary(e2e_dir, f"audit/{name}", audit)
+    test_engine._summary(e2e_dir, f"audit/{name}", test_engine.audit_counts(audit))
     assert audit["steps"] > 0 and audit["mixed_steps"] > 0, audit
     for kind, counts in audit["by_kind"].items():
         assert counts["num_problems"] == 0, (kind, counts["problems"])
