@@ -8,9 +8,10 @@ rounds (``eval ab --repeat``); every measured level counts once. For every scena
 concurrency the table gives, per arm, the median over the measurements of output tok/s, of
 TTFT and TPOT p50 / p99 and of ITL p50 (the median gap between two tokens of a request,
 i.e. the decode step as a client sees it, where TPOT also carries the prefill chunks
-scheduled beside the decodes), each with its range (min to max); the ratio of the arms'
-tok/s is taken within each round of a run (same machine, back to back) and summarised the
-same way. The arms are matched by name, whatever their order in a run.
+scheduled beside the decodes), each with its range (min to max). The ratios of the arms'
+tok/s, TTFT p50, TPOT p50 and ITL p50 are taken within each round of a run (same machine,
+back to back) and summarised the same way. The arms are matched by name, whatever their
+order in a run.
 
 A TP-N rank's slice produces every output token the whole deployment produces: its tok/s
 is an upper bound on the deployment's (the collectives are left out) and tok/s per GPU is
@@ -59,9 +60,17 @@ def collect(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, l
     return table
 
 
-def ratios(runs: Sequence[dict[str, Any]], numerator: str, denominator: str) -> dict:
-    """(scenario, concurrency) -> numerator / denominator tok/s, one per round of a run that
-    measured both arms (a run's rounds are its `--repeat` rounds, each level tagged with it)."""
+# The metrics whose arm-to-arm ratio is taken within each round.
+PAIRED = ("tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms")
+
+
+def ratios(
+    runs: Sequence[dict[str, Any]], numerator: str, denominator: str, metric: str = "tok/s"
+) -> dict:
+    """(scenario, concurrency) -> numerator / denominator of `metric` (a METRICS label), one
+    per round of a run that measured both arms (a run's rounds are its `--repeat` rounds,
+    each level tagged with it)."""
+    read = dict(METRICS)[metric]
     out: dict[tuple[str, int], list[float]] = {}
     for run in runs:
         by_arm = {arm["name"]: arm.get("throughput") or {} for arm in run["arms"]}
@@ -69,9 +78,7 @@ def ratios(runs: Sequence[dict[str, Any]], numerator: str, denominator: str) -> 
             continue
         levels = {
             name: {
-                (s["name"], level["concurrency"], level.get("round", 0)): level[
-                    "output_tokens_per_s"
-                ]
+                (s["name"], level["concurrency"], level.get("round", 0)): read(level)
                 for s in by_arm[name].get("scenarios", [])
                 for level in s["levels"]
             }
@@ -79,7 +86,7 @@ def ratios(runs: Sequence[dict[str, Any]], numerator: str, denominator: str) -> 
         }
         for (scenario, concurrency, round_), value in sorted(levels[numerator].items()):
             other = levels[denominator].get((scenario, concurrency, round_))
-            if other:
+            if value is not None and other:
                 out.setdefault((scenario, concurrency), []).append(value / other)
     return out
 
@@ -109,7 +116,7 @@ def cell(summary: dict[str, float] | None, digits: int) -> str:
 
 def summarise(runs: Sequence[dict[str, Any]], arms: Sequence[str], tp: int) -> dict[str, Any]:
     table = collect(runs)
-    ratio = ratios(runs, arms[1], arms[0]) if len(arms) > 1 else {}
+    paired = {m: ratios(runs, arms[1], arms[0], m) for m in PAIRED} if len(arms) > 1 else {}
     points = []
     for (scenario, concurrency), by_arm in table.items():
         entry: dict[str, Any] = {"scenario": scenario, "concurrency": concurrency, "arms": {}}
@@ -123,7 +130,11 @@ def summarise(runs: Sequence[dict[str, Any]], arms: Sequence[str], tp: int) -> d
             if tok is not None:
                 per_gpu = {**tok, **{k: tok[k] / tp for k in ("median", "min", "max")}}
             entry["arms"][arm]["tok/s per GPU"] = per_gpu
-        entry["ratio"] = spread(ratio.get((scenario, concurrency), []))
+        entry["ratios"] = {
+            metric: spread(by_point.get((scenario, concurrency), []))
+            for metric, by_point in paired.items()
+        }
+        entry["ratio"] = entry["ratios"].get("tok/s")
         points.append(entry)
     return {"arms": list(arms), "tensor_parallel_size": tp, "runs": len(runs), "points": points}
 
@@ -152,6 +163,21 @@ def markdown(summary: dict[str, Any]) -> str:
         if len(arms) > 1:
             row += f" {cell(point['ratio'], 3)} |"
         lines.append(row)
+    if len(arms) > 1:
+        lines += [
+            "",
+            f"## {arms[1]} / {arms[0]}, paired within each round",
+            "",
+            "One ratio per round that measured both arms (same machine, back to back);"
+            " below 1 is lower for "
+            f"{arms[1]}: faster for the latencies, slower for tok/s.",
+            "",
+            "| scenario | concurrency |" + "".join(f" {metric} |" for metric in PAIRED),
+            "|---|---|" + "---|" * len(PAIRED),
+        ]
+        for point in summary["points"]:
+            cells = "".join(f" {cell(point['ratios'][m], 3)} |" for m in PAIRED)
+            lines.append(f"| {point['scenario']} | {point['concurrency']} |{cells}")
     return "\n".join(lines) + "\n"
 
 

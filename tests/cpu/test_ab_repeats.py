@@ -96,3 +96,33 @@ def test_rounds_of_one_run_pair_by_round_and_itl_is_reported(tmp_path):
         "n": 1,
     }
     assert "triton ITL p50 ms" in (tmp_path / "out" / "repeats.md").read_text()
+
+
+def test_latency_ratios_pair_within_each_round(tmp_path):
+    """ITL and TTFT ratios come from one round's two arms; a round where one arm has no ITL
+    gives no ITL ratio."""
+    itl = [(17.5, 17.1), (17.8, 17.4), (None, 17.0)]  # (triton, flashinfer) per run
+    ttft = [(1100.0, 1056.0), (1600.0, 1560.0), (1000.0, 990.0)]
+    for index, ((itl_t, itl_f), (ttft_t, ttft_f)) in enumerate(zip(itl, ttft, strict=True)):
+        run = _run(["flashinfer", "triton"], {"triton": 800.0, "flashinfer": 800.0})
+        for arm in run["arms"]:
+            (level,) = arm["throughput"]["scenarios"][0]["levels"]
+            own_itl, own_ttft = (itl_t, ttft_t) if arm["name"] == "triton" else (itl_f, ttft_f)
+            level["ttft_ms"]["p50"] = own_ttft
+            if own_itl is not None:
+                level["itl_ms"] = {"p50": own_itl}
+        (tmp_path / f"r{index}").mkdir()
+        (tmp_path / f"r{index}" / "ab.json").write_text(json.dumps(run))
+    out = tmp_path / "out"
+    assert ab_repeats.main([str(tmp_path), "--out", str(out)]) == 0
+    (point,) = json.loads((out / "repeats.json").read_text())["points"]
+    ratios = point["ratios"]
+    assert ratios["ITL p50 ms"]["n"] == 2
+    assert ratios["ITL p50 ms"]["min"] == pytest.approx(17.1 / 17.5)
+    assert ratios["ITL p50 ms"]["max"] == pytest.approx(17.4 / 17.8)
+    # 0.96, 0.975, 0.99: the median of the per-round ratios, not a ratio of medians.
+    assert ratios["TTFT p50 ms"]["median"] == pytest.approx(1560.0 / 1600.0)
+    assert ratios["tok/s"]["median"] == pytest.approx(1.0)
+    text = (out / "repeats.md").read_text()
+    assert "paired within each round" in text
+    assert "0.975 [0.960-0.990] (n=3)" in text
