@@ -214,19 +214,22 @@ def test_graphs_reproduce_eager(engine_results, eager, graphs):
         assert ra["token_ids"] == rb["token_ids"]
 
 
-def audited_requests(results, name: str) -> tuple[list[int], dict] | None:
+def audited_requests(results, name: str) -> tuple[list[int], dict]:
     """The run's audit: per audit request (numbered in the order the requests started,
     `selection_audit.RequestOrder`), its prompt length; and its rows at
     `RECORDED_POSITIONS` by (audit request, position, layer, head): [exact, gap,
-    *blocks]. None for a run made without the audit. Requests of one prompt length
-    are not told apart (the scheduler need not start them in submission order)."""
+    *blocks]. Requests of one prompt length are not told apart (the scheduler need not
+    start them in submission order)."""
     run = _ok(results, name)
-    audit = run.data.get("audit", {})
-    if "recorded" not in audit:
-        return None
+    audit = run.data["audit"]
     requests = [request for w in WORKLOADS for request in run.workload(w)]
-    # Each audit request seen over its prompt at least and not past its last token.
-    spans = {(r["prompt_tokens"], r["prompt_tokens"] + len(r["token_ids"])) for r in requests}
+    # Each audit request seen over its prompt at least and not past its last token (or the
+    # last speculated one: a verify step scores up to K tokens beyond what it accepts).
+    speculated = (run.data.get("speculative") or {}).get("num_speculative_tokens", 0)
+    spans = {
+        (r["prompt_tokens"], r["prompt_tokens"] + len(r["token_ids"]) + speculated)
+        for r in requests
+    }
     prompts = []
     for n, extent in enumerate(audit["request_extents"]):
         fits = {prompt for prompt, end in spans if prompt <= extent <= end}
@@ -259,9 +262,9 @@ def explain_early_partings(results, pair: tuple[str, str], early: dict[int, int]
     audit request of the same prompt length whose recorded selections differ between
     the runs at or before the parting, each difference used once (the earliest
     partings first take the earliest differences). None where there is none."""
-    audits = [audited_requests(results, name) for name in pair]
-    if None in audits:
+    if not early or not all("recorded" in _ok(results, n).data.get("audit", {}) for n in pair):
         return {i: None for i in early}
+    audits = [audited_requests(results, name) for name in pair]
     (prompts, a), (prompts_b, b) = audits
     assert prompts == prompts_b, ("the runs started their requests in another order", pair)
     differences = selection_differences(a, b)
