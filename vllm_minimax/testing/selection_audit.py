@@ -21,17 +21,17 @@ draft's layers (`mtp_draft`) count as `draft-` kinds. Decode calls also count
 their rows by query length (`decode_query_lens`): 1 + K for a target verifying K
 speculated tokens.
 
+`install_triton()` runs the same reference over vLLM's own
+`MiniMaxM3IndexerTritonImpl` (`AUDIT.triton`). It asserts nothing about
+Triton's choices; it counts the rows that are a reference top-k by value.
+
 Both audits also record the rows at `RECORDED_POSITIONS` (the first 64
 positions where blocks are dropped) whole: request, position, layer, head,
 whether the selection is a reference top-k by value, the reference's gap at its
 16th block (`boundary_gap`) and the selected blocks. Requests are numbered 0, 1,
-... in the order their first token is scheduled (`RequestOrder`). Two runs'
-records say at which row, if any, their selections first differ.
-
-`install_triton()` runs the same reference over vLLM's own
-`MiniMaxM3IndexerTritonImpl` (`AUDIT.triton`). It asserts nothing about
-Triton's choices; it counts the rows that are a reference top-k by value, and
-records its rows as above.
+... in the order their first token is scheduled (`RequestOrder`), which need not
+be the order of submission. Two runs' records say at which row, if any, their
+selections first differ.
 
 Only while `AUDIT.enabled` (the driver turns it on around its own requests;
 warm-up, profiling and capture batches run over uninitialised cache pages).
@@ -70,10 +70,9 @@ class AuditCounts:
 class RequestOrder:
     """Numbers requests 0, 1, ... in the order their first token (position 0) is
     scheduled, and finds them again in later steps by their first KV block (which a
-    request keeps while it runs, with prefix caching off). With first-come,
-    first-served scheduling that is the order of submission. `extents[n]`: the
-    positions request n has been seen at in audited steps (its last position + 1;
-    full-graph decode steps run no audit)."""
+    request keeps while it runs, with prefix caching off). That need not be the order
+    of submission. `extents[n]`: the positions request n has been seen at in audited
+    steps (its last position + 1; full-graph decode steps run no audit)."""
 
     by_first_block: dict[int, int] = field(default_factory=dict)
     extents: list[int] = field(default_factory=list)
