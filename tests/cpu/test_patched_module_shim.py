@@ -11,6 +11,7 @@ from vllm_minimax.testing import patched_module as pm
 from vllm_minimax.testing import reference
 from vllm_minimax.testing.indexer_cases import (
     IndexerCase,
+    boundary_gap,
     expected_topk_values,
     forced_counts,
     make_batch,
@@ -157,3 +158,16 @@ def test_series_version_env_without_a_series_lists_the_supported(monkeypatch):
     supported = r"supported vLLM versions: 0\.33\.0, 0\.34\.0"
     with pytest.raises(pm.patchset.PatchError, match=supported):
         pm.load_patched_module(pm.reference_msa_ops())
+
+
+def test_boundary_gap_by_hand():
+    """18 blocks, the last forced (the local window): 15 of the other 17 kept on their
+    scores, so the gap is the 15th best less the 16th best of blocks 0 to 16."""
+    scores = torch.arange(18, dtype=torch.float32).view(1, 18, 1).repeat(1, 1, 3)
+    scores[0, 1, 1] = 2.0  # token 1: blocks 1 and 2 tie at the boundary
+    scores[0, 17, 0] = -100.0  # token 0: the forced block's own score does not count
+    nvp = torch.tensor([18, 18, 16])
+    gap = boundary_gap(scores, nvp, fb=0, fe=1)
+    assert gap[0, 0] == 1.0  # keeps 2..16 and 17, leaves 0 and 1
+    assert gap[1, 0] == 0.0
+    assert gap[2, 0] == float("inf")  # 16 blocks of extent: every one is kept

@@ -373,23 +373,28 @@ def vector_invariants(sel: torch.Tensor, nvp: torch.Tensor, *, fb: int, fe: int)
     return probs
 
 
-def expected_topk_values(scores: torch.Tensor, nvp: torch.Tensor, *, fb: int, fe: int):
-    """(T, H, 16) float32, descending: the reference selection's block scores
-    (forced blocks by index, then the best others), -inf padded."""
-    H, tiles, T = scores.shape
-    s = scores.permute(2, 1, 0)  # (T, tiles, H)
+def _ranking_keys(scores: torch.Tensor, nvp: torch.Tensor, *, fb: int, fe: int) -> torch.Tensor:
+    """(T, H, tiles) float32: each block's reference score as the top-k ranks it, +inf
+    for the token's forced blocks and -inf past its extent."""
+    tiles = scores.shape[1]
     idx = torch.arange(tiles, device=scores.device)[None, :]
     nvp = nvp.long().clamp(max=tiles)[:, None]
     begin, end_start = forced_mask_counts(nvp, fb, fe)
     in_ext = idx < nvp
     forced = (idx < begin) | ((idx >= end_start) & in_ext)
-    key = torch.where(in_ext[..., None], s, float("-inf"))
-    key = torch.where(forced[..., None], float("inf"), key)
+    key = torch.where(in_ext[:, None, :], scores.permute(2, 0, 1), float("-inf"))
+    return torch.where(forced[:, None, :], float("inf"), key)
+
+
+def expected_topk_values(scores: torch.Tensor, nvp: torch.Tensor, *, fb: int, fe: int):
+    """(T, H, 16) float32, descending: the reference selection's block scores
+    (forced blocks by index, then the best others), -inf padded."""
+    H, tiles, T = scores.shape
+    key = _ranking_keys(scores, nvp, fb=fb, fe=fe)
     k = min(TOPK, tiles)
-    top = key.topk(k, dim=1).indices  # (T, k, H)
-    vals = s.gather(1, top)
-    vals = torch.where(torch.isneginf(key.gather(1, top)), float("-inf"), vals)
-    vals = vals.permute(0, 2, 1)  # (T, H, k)
+    top = key.topk(k, dim=-1).indices  # (T, H, k)
+    vals = scores.permute(2, 0, 1).gather(-1, top)
+    vals = torch.where(torch.isneginf(key.gather(-1, top)), float("-inf"), vals)
     if k < TOPK:
         pad = torch.full((T, H, TOPK - k), float("-inf"), device=scores.device)
         vals = torch.cat([vals, pad], -1)
@@ -458,15 +463,7 @@ def boundary_gap(scores: torch.Tensor, nvp: torch.Tensor, *, fb: int, fe: int) -
     H, tiles, T = scores.shape
     if tiles <= TOPK:
         return torch.full((T, H), float("inf"), device=scores.device)
-    s = scores.permute(2, 0, 1)  # (T, H, tiles)
-    idx = torch.arange(tiles, device=scores.device)[None, :]
-    nvp = nvp.long().clamp(max=tiles)[:, None]
-    begin, end_start = forced_mask_counts(nvp, fb, fe)
-    in_ext = idx < nvp
-    forced = (idx < begin) | ((idx >= end_start) & in_ext)
-    key = torch.where(in_ext[:, None, :], s, float("-inf"))
-    key = torch.where(forced[:, None, :], float("inf"), key)
-    top = key.topk(TOPK + 1, dim=-1).values  # (T, H, 17), descending
+    top = _ranking_keys(scores, nvp, fb=fb, fe=fe).topk(TOPK + 1, dim=-1).values
     kept, left = top[..., TOPK - 1], top[..., TOPK]
     both = torch.isfinite(kept) & torch.isfinite(left)
     return torch.where(both, kept - left, float("inf"))

@@ -385,49 +385,12 @@ def _capturing(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def install() -> Callable[[], None]:
-    """Wrap the patched builder's build and impl's forward (class-wide, before or
-    after the engine starts); returns a function that restores both."""
-    from vllm.models.minimax_m3.nvidia.indexer_flashinfer import (
-        MiniMaxM3IndexerFlashInferImpl,
-        MiniMaxM3IndexerFlashInferMetadataBuilder,
-    )
-
-    original_forward = MiniMaxM3IndexerFlashInferImpl.forward
-    original_build = MiniMaxM3IndexerFlashInferMetadataBuilder.build
-
-    def audited_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
-        metadata = original_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
-        if AUDIT.enabled and not _capturing(common_attn_metadata.seq_lens):
-            _record_step(metadata, EngineStep.of(common_attn_metadata, self.vllm_config))
-        return metadata
-
-    def audited_forward(self, index_query):
-        result = original_forward(self, index_query)
-        if AUDIT.enabled and not _capturing(index_query):
-            _audit_step(self, index_query)
-        return result
-
-    def restore() -> None:
-        MiniMaxM3IndexerFlashInferImpl.forward = original_forward
-        MiniMaxM3IndexerFlashInferMetadataBuilder.build = original_build
-
-    MiniMaxM3IndexerFlashInferImpl.forward = audited_forward
-    MiniMaxM3IndexerFlashInferMetadataBuilder.build = audited_build
-    return restore
-
-
-def install_triton() -> Callable[[], None]:
-    """Wrap vLLM's `MiniMaxM3IndexerTritonMetadataBuilder.build` and
-    `MiniMaxM3IndexerTritonImpl.forward` (class-wide) for `AUDIT.triton`; returns a
-    function that restores both."""
-    from vllm.models.minimax_m3.common.indexer import (
-        MiniMaxM3IndexerTritonImpl,
-        MiniMaxM3IndexerTritonMetadataBuilder,
-    )
-
-    original_forward = MiniMaxM3IndexerTritonImpl.forward
-    original_build = MiniMaxM3IndexerTritonMetadataBuilder.build
+def _wrap(impl_cls, builder_cls, audit_forward) -> Callable[[], None]:
+    """Wrap `builder_cls.build` (to keep each step's engine inputs) and
+    `impl_cls.forward` (to run `audit_forward(impl, index_query)` after it), class-wide;
+    returns a function that restores both."""
+    original_forward = impl_cls.forward
+    original_build = builder_cls.build
 
     def audited_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
         metadata = original_build(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
@@ -438,13 +401,39 @@ def install_triton() -> Callable[[], None]:
     def audited_forward(self, index_query, *args, **kwargs):
         result = original_forward(self, index_query, *args, **kwargs)
         if AUDIT.enabled and not _capturing(index_query):
-            _audit_triton_step(self, index_query)
+            audit_forward(self, index_query)
         return result
 
     def restore() -> None:
-        MiniMaxM3IndexerTritonImpl.forward = original_forward
-        MiniMaxM3IndexerTritonMetadataBuilder.build = original_build
+        impl_cls.forward = original_forward
+        builder_cls.build = original_build
 
-    MiniMaxM3IndexerTritonImpl.forward = audited_forward
-    MiniMaxM3IndexerTritonMetadataBuilder.build = audited_build
+    impl_cls.forward = audited_forward
+    builder_cls.build = audited_build
     return restore
+
+
+def install() -> Callable[[], None]:
+    """Audit the patched vLLM's FlashInfer indexer (before or after the engine starts);
+    returns a function that restores it."""
+    from vllm.models.minimax_m3.nvidia.indexer_flashinfer import (
+        MiniMaxM3IndexerFlashInferImpl,
+        MiniMaxM3IndexerFlashInferMetadataBuilder,
+    )
+
+    return _wrap(
+        MiniMaxM3IndexerFlashInferImpl, MiniMaxM3IndexerFlashInferMetadataBuilder, _audit_step
+    )
+
+
+def install_triton() -> Callable[[], None]:
+    """Audit vLLM's own Triton indexer for `AUDIT.triton`; returns a function that
+    restores it."""
+    from vllm.models.minimax_m3.common.indexer import (
+        MiniMaxM3IndexerTritonImpl,
+        MiniMaxM3IndexerTritonMetadataBuilder,
+    )
+
+    return _wrap(
+        MiniMaxM3IndexerTritonImpl, MiniMaxM3IndexerTritonMetadataBuilder, _audit_triton_step
+    )

@@ -101,9 +101,10 @@ def single_rank(monkeypatch):
     monkeypatch.setattr(indexer_mod, "get_tensor_model_parallel_world_size", lambda: 1)
 
 
-def make_builder(index_heads: int = 1, local_blocks: int = 1, threshold: int = 1):
+def builder_config(index_heads: int = 1, local_blocks: int = 1) -> types.SimpleNamespace:
+    """The parts of a `VllmConfig` the indexer builders read."""
     text_config = indexer_text_config(index_n_heads=index_heads, index_local_blocks=local_blocks)
-    vllm_config = types.SimpleNamespace(
+    return types.SimpleNamespace(
         model_config=types.SimpleNamespace(
             hf_config=types.SimpleNamespace(text_config=text_config)
         ),
@@ -111,10 +112,18 @@ def make_builder(index_heads: int = 1, local_blocks: int = 1, threshold: int = 1
         speculative_config=None,
         parallel_config=types.SimpleNamespace(decode_context_parallel_size=1),
     )
-    builder = fi_mod.MiniMaxM3IndexerFlashInferMetadataBuilder(
+
+
+def make_builder(
+    index_heads: int = 1,
+    local_blocks: int = 1,
+    threshold: int = 1,
+    builder_cls=fi_mod.MiniMaxM3IndexerFlashInferMetadataBuilder,
+):
+    builder = builder_cls(
         kv_cache_spec=types.SimpleNamespace(block_size=PAGE),
         layer_names=["l"],
-        vllm_config=vllm_config,
+        vllm_config=builder_config(index_heads, local_blocks),
         device=torch.device("cpu"),
     )
     # What _init_reorder_batch_threshold sets from a speculative config with
@@ -282,11 +291,18 @@ def kernels(monkeypatch):
     return fake
 
 
-def make_impl(*, heads: int, dtype: str, init_blocks: int = 0, local_blocks: int = 1):
+def make_impl(
+    *,
+    heads: int,
+    dtype: str,
+    init_blocks: int = 0,
+    local_blocks: int = 1,
+    impl_cls=fi_mod.MiniMaxM3IndexerFlashInferImpl,
+):
     buffer = torch.full((MAX_TOKENS, heads, 16), POISON, dtype=torch.int32)
     config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(config):
-        impl = fi_mod.MiniMaxM3IndexerFlashInferImpl(
+        impl = impl_cls(
             num_kv_heads=heads,
             scale=128**-0.5,
             topk_blocks=16,

@@ -17,15 +17,13 @@ import types
 
 import pytest
 import torch
-from test_flashinfer_indexer import MAX_TOKENS, PAGE, POISON, make_batch
-from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+from test_flashinfer_indexer import PAGE, make_batch, make_builder, make_impl
 from vllm.models.minimax_m3.common import indexer as indexer_mod
 
 from vllm_minimax.testing import reference, selection_audit
-from vllm_minimax.testing.patched_module import indexer_text_config
 
 HEADS = 2
-PREFIX = "model.layers.7.self_attn.attn"
+LAYER = 1  # make_impl's prefix: model.layers.1.self_attn.attn
 # What each forward writes: the selection for the step about to run.
 SELECTIONS: list[torch.Tensor] = []
 
@@ -54,40 +52,8 @@ def audit(monkeypatch):
     restore()
 
 
-def make_triton_builder():
-    text_config = indexer_text_config(index_n_heads=HEADS, index_local_blocks=1)
-    vllm_config = types.SimpleNamespace(
-        model_config=types.SimpleNamespace(
-            hf_config=types.SimpleNamespace(text_config=text_config)
-        ),
-        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=MAX_TOKENS),
-        speculative_config=None,
-        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1),
-    )
-    return indexer_mod.MiniMaxM3IndexerTritonMetadataBuilder(
-        kv_cache_spec=types.SimpleNamespace(block_size=PAGE),
-        layer_names=["l"],
-        vllm_config=vllm_config,
-        device=torch.device("cpu"),
-    )
-
-
 def make_triton_impl(num_pages: int):
-    buffer = torch.full((MAX_TOKENS, HEADS, 16), POISON, dtype=torch.int32)
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
-        impl = indexer_mod.MiniMaxM3IndexerTritonImpl(
-            num_kv_heads=HEADS,
-            scale=128**-0.5,
-            topk_blocks=16,
-            sparse_block_size=128,
-            num_index_heads=HEADS,
-            index_head_dim=128,
-            prefix=PREFIX,
-            init_blocks=0,
-            local_blocks=1,
-            indexer_kv_dtype="fp8",
-            topk_indices_buffer=buffer,
-        )
+    impl, _ = make_impl(heads=HEADS, dtype="fp8", impl_cls=indexer_mod.MiniMaxM3IndexerTritonImpl)
     keys = torch.randn(num_pages, 1, PAGE, 128).to(torch.float8_e4m3fn)
     impl.index_cache.bind_kv_cache(keys)
     return impl, keys
@@ -107,7 +73,8 @@ def reference_selection(batch, q, keys) -> torch.Tensor:
 
 
 def run_step(monkeypatch, impl, batch, q, selection) -> None:
-    md = make_triton_builder().build(0, batch.metadata)
+    builder = make_builder(HEADS, builder_cls=indexer_mod.MiniMaxM3IndexerTritonMetadataBuilder)
+    md = builder.build(0, batch.metadata)
     context = types.SimpleNamespace(attn_metadata={impl.index_cache.prefix: md})
     monkeypatch.setattr(indexer_mod, "get_forward_context", lambda: context)
     SELECTIONS.append(selection)
@@ -138,7 +105,7 @@ def test_a_clean_step_is_counted_and_its_window_recorded(monkeypatch, audit):
     # Request 0 started in this step; request 1 (a decode at 3000) was never seen starting.
     assert summary["request_extents"] == [2100]
     rows = recorded(audit)
-    assert set(rows) == {(0, p, 7, h) for p in range(16 * PAGE, 2100) for h in range(HEADS)}
+    assert set(rows) == {(0, p, LAYER, h) for p in range(16 * PAGE, 2100) for h in range(HEADS)}
     for (_, position, _, head), (exact, gap, *blocks) in rows.items():
         assert exact == 1 and gap > 0
         assert blocks == [b for b in selection[position, head].tolist() if b >= 0]
@@ -155,7 +122,7 @@ def test_a_changed_row_is_recorded_as_not_exact(monkeypatch, audit):
     counts = audit.summary()["triton"]
     assert counts["value_rows"] == counts["rows"] - 1
     rows = recorded(audit)
-    assert [key for key, (exact, *_) in rows.items() if not exact] == [(0, token, 7, head)]
+    assert [key for key, (exact, *_) in rows.items() if not exact] == [(0, token, LAYER, head)]
 
 
 def test_a_tied_step_records_a_zero_gap(monkeypatch, audit):
