@@ -227,6 +227,13 @@ def _record_step(metadata, step: EngineStep) -> None:
         del _ENGINE_STEPS[next(iter(_ENGINE_STEPS))]
 
 
+def _forced_regions(impl, step: EngineStep) -> tuple[int, int]:
+    """The contract's forced leading and trailing block counts (the reference functions
+    clamp them per token): the impl's `init_blocks`, the model config's window."""
+    force_begin = min(impl.init_blocks, impl.topk_blocks)
+    return force_begin, min(step.local_blocks, impl.topk_blocks - force_begin)
+
+
 def _audit_step(impl, index_query: torch.Tensor) -> None:
     from vllm.models.minimax_m3.nvidia import indexer_flashinfer
 
@@ -243,9 +250,7 @@ def _audit_step(impl, index_query: torch.Tensor) -> None:
     q_all = index_query[:num_tokens].view(-1, impl.num_index_heads, impl.index_head_dim)
     kv = impl.index_cache.kv_cache
     k_pages = kv.view(kv.shape[0], 1, PAGE, impl.index_head_dim)
-    # The contract's forced regions (reference functions clamp them per token).
-    force_begin = min(impl.init_blocks, impl.topk_blocks)
-    force_end = min(step.local_blocks, impl.topk_blocks - force_begin)
+    force_begin, force_end = _forced_regions(impl, step)
     kinds = {call.is_prefill for call in md.calls}
     mixed = len(kinds) == 2
     AUDIT.mixed_steps += int(mixed)
@@ -294,8 +299,7 @@ def _audit_step(impl, index_query: torch.Tensor) -> None:
         if check.first_mismatch:
             counts.problems.append(check.first_mismatch)
         if not layer:
-            forced = (force_begin, force_end)
-            _record_rows(impl, step, call.token_start, got, want, scores, nvp, forced)
+            _record_rows(impl, step, call.token_start, got, want, scores, nvp)
     if covered != num_tokens:
         AUDIT.counts("coverage").problems.append(f"calls end at {covered} of {num_tokens} tokens")
 
@@ -317,28 +321,28 @@ def _record_rows(
     want: torch.Tensor,
     scores: torch.Tensor,
     nvp: torch.Tensor,
-    forced: tuple[int, int],
 ) -> None:
     """Append to `AUDIT.recorded` the rows of tokens `token_start + i` (for row i of
-    `got`) whose position is in `RECORDED_POSITIONS`; `forced`: the leading and
-    trailing forced block counts."""
+    `got`) whose position is in `RECORDED_POSITIONS`, reading only those rows."""
     positions = step.positions[token_start : token_start + got.shape[0]]
     wanted = (positions >= RECORDED_POSITIONS.start) & (positions < RECORDED_POSITIONS.stop)
-    if not bool(wanted.any()):
+    rows = wanted.nonzero().flatten()
+    if not rows.numel():
         return
-    exact = value_rows_ok(got, want, scores).tolist()
-    gap = boundary_gap(scores, nvp, fb=forced[0], fe=forced[1]).tolist()
-    token_request = torch.bucketize(
-        torch.arange(token_start, token_start + got.shape[0]),
-        torch.tensor(step.query_start_loc[1:]),
-        right=True,
+    on_device = rows.to(got.device)
+    got, scores = got[on_device], scores[..., on_device]
+    exact = value_rows_ok(got, want[on_device], scores).tolist()
+    force_begin, force_end = _forced_regions(impl, step)
+    gap = boundary_gap(scores, nvp[on_device], fb=force_begin, fe=force_end).tolist()
+    request_index = torch.bucketize(
+        rows + token_start, torch.tensor(step.query_start_loc[1:]), right=True
     ).tolist()
+    numbers = step.numbered(AUDIT.requests)
     layer = _layer_number(impl.index_cache.prefix)
-    rows = got.tolist()
-    for i in wanted.nonzero().flatten().tolist():
-        request = step.numbered(AUDIT.requests)[token_request[i]]
-        for head, blocks in enumerate(rows[i]):
-            entry = [request, int(positions[i]), layer, head, int(exact[i][head]), gap[i][head]]
+    for i, (row, blocks_by_head) in enumerate(zip(rows.tolist(), got.tolist(), strict=True)):
+        request, position = numbers[request_index[i]], int(positions[row])
+        for head, blocks in enumerate(blocks_by_head):
+            entry = [request, position, layer, head, int(exact[i][head]), gap[i][head]]
             AUDIT.recorded.append(entry + sorted(b for b in blocks if b >= 0))
 
 
@@ -362,8 +366,7 @@ def _audit_triton_step(impl, index_query: torch.Tensor) -> None:
     q_all = index_query[:num_tokens].view(-1, impl.num_index_heads, impl.index_head_dim)
     device = q_all.device
     kv = impl.index_cache.kv_cache
-    force_begin = min(impl.init_blocks, impl.topk_blocks)
-    force_end = min(step.local_blocks, impl.topk_blocks - force_begin)
+    force_begin, force_end = _forced_regions(impl, step)
     scores = reference.proxy_score(
         q_all,
         kv.view(kv.shape[0], 1, PAGE, impl.index_head_dim),
@@ -378,7 +381,7 @@ def _audit_triton_step(impl, index_query: torch.Tensor) -> None:
     exact = value_rows_ok(got, want, scores)
     counts.rows += exact.numel()
     counts.value_rows += int(exact.sum())
-    _record_rows(impl, step, 0, got, want, scores, nvp, (force_begin, force_end))
+    _record_rows(impl, step, 0, got, want, scores, nvp)
 
 
 def _capturing(tensor: torch.Tensor) -> bool:
