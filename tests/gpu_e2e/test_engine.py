@@ -244,7 +244,7 @@ def selection_differences(a: dict, b: dict) -> dict[int, dict]:
     """Per audit request, the first recorded row (by position) where two runs'
     selected blocks differ, with both runs' exactness and the reference gap there."""
     first: dict[int, dict] = {}
-    for key in sorted(set(a) & set(b), key=lambda k: (k[0], k[1], k[2], k[3])):
+    for key in sorted(set(a) & set(b)):  # (request, position, layer, head)
         request, position, layer, head = key
         if request not in first and a[key][2:] != b[key][2:]:
             first[request] = {
@@ -264,8 +264,7 @@ def explain_early_partings(results, pair: tuple[str, str], early: dict[int, int]
     partings first take the earliest differences). None where there is none."""
     if not early or not all("recorded" in _ok(results, n).data.get("audit", {}) for n in pair):
         return {i: None for i in early}
-    audits = [audited_requests(results, name) for name in pair]
-    (prompts, a), (prompts_b, b) = audits
+    (prompts, a), (prompts_b, b) = (audited_requests(results, name) for name in pair)
     assert prompts == prompts_b, ("the runs started their requests in another order", pair)
     differences = selection_differences(a, b)
     explained: dict[int, dict | None] = {}
