@@ -11,7 +11,8 @@ i.e. the decode step as a client sees it, where TPOT also carries the prefill ch
 scheduled beside the decodes), each with its range (min to max). The ratios of the arms'
 tok/s, TTFT p50, TPOT p50 and ITL p50 are taken within each round of a run (same machine,
 back to back) and summarised the same way. The arms are matched by name, whatever their
-order in a run.
+order in a run. A level that re-sent an earlier level's prompts (``named_levels``) is pooled
+apart from its scenario.
 
 A TP-N rank's slice produces every output token the whole deployment produces: its tok/s
 is an upper bound on the deployment's (the collectives are left out) and tok/s per GPU is
@@ -24,7 +25,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +49,39 @@ def find_runs(paths: Sequence[Path]) -> list[Path]:
     return runs
 
 
+RESENT = " (re-sent prompts)"
+
+
+def named_levels(throughput: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each level of one arm's throughput record, with the point it is pooled under: its
+    scenario's name, plus RESENT for a level that re-sent an earlier level's prompts to the
+    same server. That happened before each level had its own seed (levels without
+    ``prompt_seed``): vllm bench drew every level's prompts from the preset's one seed, and
+    the same seed gives the same first prompts, so each bench level after the first of a
+    round re-sent those (prefix caching served them); this project's client re-sent its
+    scenario's prompts at each level. Such levels measured another workload, so they are
+    kept apart from levels with prompts of their own."""
+    seen: set[tuple[str, int]] = set()
+    for scenario in throughput.get("scenarios", []):
+        for level in scenario["levels"]:
+            name = scenario["name"]
+            if "prompt_seed" not in level:
+                pool = "bench" if scenario.get("client") == "vllm-bench" else name
+                key = (pool, level.get("round", 0))
+                if key in seen:
+                    name += RESENT
+                seen.add(key)
+            yield name, level
+
+
 def collect(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, list]]:
-    """(scenario, concurrency) -> arm -> one level per run that measured it."""
+    """(point, concurrency) -> arm -> one level per run that measured it."""
     table: dict[tuple[str, int], dict[str, list]] = {}
     for run in runs:
         for arm in run["arms"]:
-            for scenario in (arm.get("throughput") or {}).get("scenarios", []):
-                for level in scenario["levels"]:
-                    key = (scenario["name"], level["concurrency"])
-                    table.setdefault(key, {}).setdefault(arm["name"], []).append(level)
+            for name, level in named_levels(arm.get("throughput") or {}):
+                key = (name, level["concurrency"])
+                table.setdefault(key, {}).setdefault(arm["name"], []).append(level)
     return table
 
 
@@ -77,12 +102,11 @@ def ratios(
         if numerator not in by_arm or denominator not in by_arm:
             continue
         levels = {
-            name: {
-                (s["name"], level["concurrency"], level.get("round", 0)): read(level)
-                for s in by_arm[name].get("scenarios", [])
-                for level in s["levels"]
+            arm: {
+                (point, level["concurrency"], level.get("round", 0)): read(level)
+                for point, level in named_levels(by_arm[arm])
             }
-            for name in (numerator, denominator)
+            for arm in (numerator, denominator)
         }
         for (scenario, concurrency, round_), value in sorted(levels[numerator].items()):
             other = levels[denominator].get((scenario, concurrency, round_))
@@ -147,6 +171,14 @@ def markdown(summary: dict[str, Any]) -> str:
         f"tok/s per GPU is the slice's tok/s / {summary['tensor_parallel_size']}.",
         "",
     ]
+    if any(point["scenario"].endswith(RESENT) for point in summary["points"]):
+        lines += [
+            f"A point marked{RESENT} is a level that re-sent prompts an earlier level of its"
+            " server had sent (runs from before each level had a seed of its own), so prefix"
+            " caching served part of its prefill: it is kept apart from the same scenario"
+            " measured with prompts of its own.",
+            "",
+        ]
     header = "| scenario | concurrency |"
     for arm in arms:
         header += f" {arm} tok/s per GPU |"

@@ -126,3 +126,41 @@ def test_latency_ratios_pair_within_each_round(tmp_path):
     text = (out / "repeats.md").read_text()
     assert "paired within each round" in text
     assert "0.975 [0.960-0.990] (n=3)" in text
+
+
+def _bench_run(tok_s: dict[str, tuple[float, float]], seeded: bool) -> dict:
+    """Two vllm-bench scenarios on each arm's server, with or without per-level seeds."""
+    arms = []
+    for name, (first, second) in tok_s.items():
+        scenarios = []
+        for scenario, value, seed in (("decode-8k-c1", first, 11), ("decode-8k-c8", second, 12)):
+            level = {**_level(1, value, 200, 6), "round": 0}
+            if seeded:
+                level["prompt_seed"] = seed
+            scenarios.append({"name": scenario, "client": "vllm-bench", "levels": [level]})
+        arms.append({"name": name, "throughput": {"scenarios": scenarios}})
+    return {"arms": arms}
+
+
+def test_levels_that_resent_prompts_are_pooled_apart(tmp_path):
+    """Before level seeds, a bench level after the first on a server re-sent its prompts:
+    it is its own point, and its ratio pairs only with levels like it."""
+    runs = {
+        "old": _bench_run({"triton": (100.0, 400.0), "flashinfer": (110.0, 600.0)}, seeded=False),
+        "new": _bench_run({"triton": (100.0, 500.0), "flashinfer": (120.0, 500.0)}, seeded=True),
+    }
+    for name, run in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ab.json").write_text(json.dumps(run))
+    out = tmp_path / "out"
+    assert ab_repeats.main([str(tmp_path), "--out", str(out)]) == 0
+    points = {p["scenario"]: p for p in json.loads((out / "repeats.json").read_text())["points"]}
+    assert sorted(points) == [
+        "decode-8k-c1",
+        "decode-8k-c8",
+        f"decode-8k-c8{ab_repeats.RESENT}",
+    ]
+    assert points["decode-8k-c1"]["arms"]["triton"]["tok/s"]["n"] == 2
+    assert points["decode-8k-c8"]["ratio"] == {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}
+    assert points[f"decode-8k-c8{ab_repeats.RESENT}"]["ratio"]["median"] == pytest.approx(1.5)
+    assert "re-sent prompts an earlier level" in (out / "repeats.md").read_text()

@@ -5,6 +5,7 @@ vLLM CPU server)."""
 from __future__ import annotations
 
 import http.server
+import itertools
 import json
 import math
 import os
@@ -881,3 +882,82 @@ def test_missing_levels_count_a_concurrency_listed_twice():
         "s c=2 round 1",
         "s c=1 round 1",
     ]
+
+
+def test_every_level_sends_prompts_of_its_own(tmp_path, stand_in_server, monkeypatch):
+    """Levels that share a server never share a seed, so prefix caching cannot serve one
+    level's prompts from an earlier level; a second server of an A/B gets the same seeds."""
+    from vllm_minimax.evals import bench, throughput
+
+    seeds: list[int] = []
+
+    def fake_bench(arguments, result_file, log_file, deadline_s):
+        seeds.append(int(arguments[arguments.index("--seed") + 1]))
+        return bench_result(5.0)
+
+    async def fake_own_level(*args, **kwargs):  # the warm-up requests
+        return [], 0.1
+
+    monkeypatch.setattr(bench, "run_bench_level", fake_bench)
+    monkeypatch.setattr(throughput, "run_level", fake_own_level)
+    shape = {"input_tokens": 8, "output_tokens": 4}
+    scenarios = [
+        {"name": name, "shapes": [shape], "concurrency": [1, 2], "num_requests": 2}
+        for name in ("decode-a", "decode-b")
+    ]
+    (tmp_path / "two.yaml").write_text(yaml.safe_dump({"scenarios": scenarios}))
+    preset = presets.load_throughput_preset(str(tmp_path / "two.yaml"))
+    vocabulary = throughput.Vocabulary(100, frozenset())
+    runs = []
+    for server in ("a", "b"):
+        out = tmp_path / server / "throughput.json"
+        out.parent.mkdir()
+        throughput.run_throughput(preset, stand_in_server.base_url, "m", out, vocabulary, repeat=2)
+        runs.append(json.loads(out.read_text()))
+    first, second = seeds[:8], seeds[8:]
+    assert len(set(first)) == 8, "two levels of one server share a seed"
+    assert first == second
+    recorded = [level["prompt_seed"] for s in runs[0]["scenarios"] for level in s["levels"]]
+    assert sorted(recorded) == sorted(first)
+    for scenario in runs[0]["scenarios"]:
+        for level in scenario["levels"]:
+            assert f"--seed {level['prompt_seed']} " in level["bench_command"]
+
+
+def test_level_seeds_give_vllm_bench_distinct_prompts():
+    """vLLM's random dataset (its own sampler is the reference) starts each prompt at a
+    drawn id, and the same seed draws the same first starts whatever --num-prompts: with one
+    seed for the preset, each decode level re-sent all prompts of the smaller levels before
+    it. With level seeds, the levels of evals/throughput/m3-rank.yaml share none beyond
+    chance."""
+    from types import SimpleNamespace
+
+    import numpy
+    from vllm.benchmarks.datasets.utils import get_sampling_params
+
+    from vllm_minimax.evals import throughput
+
+    vocab_size = 200064
+    tokenizer = SimpleNamespace(num_special_tokens_to_add=lambda: 0, vocab_size=vocab_size)
+
+    def starts(seed: int, scenario) -> set[int]:
+        [shape] = scenario.shapes
+        rng = numpy.random.default_rng(seed)
+        *_, offsets = get_sampling_params(
+            rng, scenario.num_requests, 0.0, shape.input_tokens, shape.output_tokens, tokenizer
+        )
+        return {(int(offset) + index) % vocab_size for index, offset in enumerate(offsets)}
+
+    preset = presets.load_throughput_preset("m3-rank")
+    one_shape = [scenario for scenario in preset.scenarios if len(scenario.shapes) == 1]
+    decode_8k = [scenario for scenario in one_shape if scenario.name.startswith("decode-8k-")]
+    assert [scenario.num_requests for scenario in decode_8k] == [4, 16, 32, 64]
+    old = [starts(preset.seed, scenario) for scenario in decode_8k]
+    assert all(smaller <= larger for smaller, larger in itertools.pairwise(old))
+    new = [
+        starts(throughput.level_seed(preset.seed, scenario.name, concurrency, 0), scenario)
+        for scenario in one_shape
+        for concurrency in scenario.concurrency
+    ]
+    shared = sum(len(a & b) for a, b in itertools.combinations(new, 2))
+    assert shared <= 1

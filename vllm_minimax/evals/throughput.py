@@ -7,10 +7,12 @@ asyncio client here, whose definitions are bench's. ``--client own`` runs every 
 on the client here (where vLLM is not importable). Both give the same level record, so the
 reports and the A/B runner do not depend on which one measured.
 
-This project's client: each request's prompt is random token ids (seeded per scenario, so
-every server of an A/B gets the same prompts), sent as a token list so the prompt length is
-exact, with ``ignore_eos`` so the output length is exact too. Per request:
-TTFT is the time to the first streamed chunk, ITL the gaps between later chunks, TPOT
+Each level's prompts come from a seed of its own (:func:`level_seed`: per scenario,
+concurrency and round), so no level re-sends the prompts of an earlier one on the same server,
+where prefix caching would serve them from the cache, and every server of an A/B gets the same
+prompts. This project's client: each request's prompt is random token ids, sent as a token
+list so the prompt length is exact, with ``ignore_eos`` so the output length is exact too.
+Per request: TTFT is the time to the first streamed chunk, ITL the gaps between later chunks, TPOT
 ``(latency - TTFT) / (output tokens - 1)``, with the output token count from the usage chunk.
 Per concurrency level: output tokens/s is all output tokens over the wall time of the level.
 Before its first level each scenario sends one unrecorded request per shape (prompts of their
@@ -30,6 +32,7 @@ give the median of the rounds and their min..max.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 import statistics
@@ -262,10 +265,20 @@ async def run_level(
         return timings, time.perf_counter() - started
 
 
+def level_seed(preset_seed: int, scenario: str, concurrency: int, round_number: int) -> int:
+    """The seed of one level's prompts, for both clients: distinct per scenario, concurrency
+    and round (vLLM's benchmark client draws the same prompts from the same seed whatever the
+    scenario, so one seed for the whole preset re-sent earlier levels' prompts), the same for
+    every server of an A/B."""
+    key = f"{preset_seed}/{scenario}/c{concurrency}/round{round_number}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:4], "big")
+
+
 def scenario_prompts(
     scenario: ThroughputScenario, vocabulary: Vocabulary, seed: int
 ) -> list[tuple[list[int], RequestShape]]:
-    rng = random.Random(f"{seed}/{scenario.name}")
+    """The scenario's requests for one level seeded by ``seed`` (:func:`level_seed`)."""
+    rng = random.Random(seed)
     shapes = [scenario.shapes[i % len(scenario.shapes)] for i in range(scenario.num_requests)]
     return [(vocabulary.random_prompt(rng, shape.input_tokens), shape) for shape in shapes]
 
@@ -375,15 +388,16 @@ def run_throughput(
         label: str,
     ) -> dict[str, Any]:
         """One level's record, from the scenario's client."""
+        seed = level_seed(preset.seed, scenario.name, concurrency, round_number)
         if record["client"] == "own":
-            prompts = scenario_prompts(scenario, vocabulary, preset.seed)
+            prompts = scenario_prompts(scenario, vocabulary, seed)
             timings, duration = send(prompts, concurrency, label)
-            return level_metrics(timings, duration)
+            return {**level_metrics(timings, duration), "prompt_seed": seed}
         [shape] = scenario.shapes
         result_file = bench_dir / f"{scenario.name}-c{concurrency}-round{round_number + 1}.json"
         arguments = bench.bench_arguments(
             base_url, model, tokenizer or model, shape.input_tokens, shape.output_tokens,
-            concurrency, scenario.num_requests, preset.seed, result_file,
+            concurrency, scenario.num_requests, seed, result_file,
         )  # fmt: skip
         deadline = bench.level_deadline(timeouts.total_s, scenario.num_requests, concurrency)
         data = bench.run_bench_level(
@@ -391,6 +405,7 @@ def run_throughput(
         )
         return {
             **bench.level_from_bench(data),
+            "prompt_seed": seed,
             "bench_command": bench.bench_command(arguments),
             "bench_result": str(result_file),
         }
