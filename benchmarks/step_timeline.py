@@ -16,11 +16,18 @@ compiled during inference). The table gives per arm the median step (the decode 
 the long steps' count, median, maximum and summed time, so that a TTFT or tok/s difference
 can be told apart as decode, prefill-step or stall time. Steps before the first token of the
 scenario are not seen (the first requests' TTFT holds them).
+
+Where the source also holds ``telemetry.csv`` (``scripts/m3-rank-h200`` samples the GPU once a
+second during a round), each level gets the GPU's state over its run: the median and lowest
+SM clock, the median and highest power draw, the clock-event reasons that were active (power
+cap, thermal, hardware slowdown) and the host's highest 1-minute load. A level's window is
+bench's ``date`` (written when the level ended, to the second) less its ``duration``.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import io
 import itertools
 import json
@@ -28,8 +35,9 @@ import re
 import statistics
 import sys
 import tarfile
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +47,43 @@ BENCH_NAME = re.compile(
 )
 LONG_STEP_FACTOR = 2.0
 GROUPING_FRACTION = 0.25
+
+
+# nvidia-smi's clock-event reasons that slow the clocks under load (idle, application and
+# display clocks left out).
+CLOCK_EVENTS = {
+    0x4: "power cap",
+    0x8: "hardware slowdown",
+    0x10: "sync boost",
+    0x20: "thermal (software)",
+    0x40: "thermal (hardware)",
+    0x80: "power brake",
+}
+TELEMETRY_NAME = "telemetry.csv"
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One line of ``telemetry.csv``; None where nvidia-smi had no value."""
+
+    moment: datetime
+    sm_mhz: float | None
+    power_w: float | None
+    reasons: int | None
+    load: float | None
+
+
+@dataclass(frozen=True)
+class GpuState:
+    """The GPU over one level's run."""
+
+    samples: int
+    sm_mhz_p50: float | None
+    sm_mhz_min: float | None
+    power_w_p50: float | None
+    power_w_max: float | None
+    events: tuple[str, ...]
+    load_max: float | None
 
 
 @dataclass(frozen=True)
@@ -55,6 +100,73 @@ class StepSummary:
     long_step_p50_ms: float | None
     long_step_max_ms: float | None
     long_step_total_s: float
+    gpu: GpuState | None = None
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:  # "[N/A]", "[Not Supported]"
+        return None
+
+
+def parse_telemetry(text: str) -> list[GpuSample]:
+    """The samples of a ``telemetry.csv`` (either name nvidia-smi gives the reasons)."""
+    samples = []
+    for row in csv.DictReader(io.StringIO(text), skipinitialspace=True):
+        try:
+            moment = datetime.strptime(row["timestamp"], "%Y/%m/%d %H:%M:%S.%f")
+        except (KeyError, TypeError, ValueError):
+            continue
+        reasons = row.get("clocks_event_reasons.active") or row.get(
+            "clocks_throttle_reasons.active"
+        )
+        try:
+            reason_bits = int(reasons, 16) if reasons else None
+        except ValueError:
+            reason_bits = None
+        samples.append(
+            GpuSample(
+                moment=moment,
+                sm_mhz=_number(row.get("clocks.sm")),
+                power_w=_number(row.get("power.draw")),
+                reasons=reason_bits,
+                load=_number(row.get("loadavg_1min")),
+            )
+        )
+    return samples
+
+
+def level_window(bench: dict[str, Any]) -> tuple[datetime, datetime] | None:
+    """When a level ran: bench writes ``date`` as it ends, truncated to the second."""
+    try:
+        end = datetime.strptime(bench["date"], "%Y%m%d-%H%M%S")
+        duration = float(bench["duration"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return end - timedelta(seconds=duration), end + timedelta(seconds=1)
+
+
+def gpu_state(samples: Sequence[GpuSample], window: tuple[datetime, datetime]) -> GpuState | None:
+    """The samples within ``window``, summarised; None when there are none."""
+    inside = [sample for sample in samples if window[0] <= sample.moment <= window[1]]
+    if not inside:
+        return None
+    clocks = [sample.sm_mhz for sample in inside if sample.sm_mhz is not None]
+    powers = [sample.power_w for sample in inside if sample.power_w is not None]
+    loads = [sample.load for sample in inside if sample.load is not None]
+    seen = 0
+    for sample in inside:
+        seen |= sample.reasons or 0
+    return GpuState(
+        samples=len(inside),
+        sm_mhz_p50=statistics.median(clocks) if clocks else None,
+        sm_mhz_min=min(clocks) if clocks else None,
+        power_w_p50=statistics.median(powers) if powers else None,
+        power_w_max=max(powers) if powers else None,
+        events=tuple(name for bit, name in CLOCK_EVENTS.items() if seen & bit),
+        load_max=max(loads) if loads else None,
+    )
 
 
 def token_times(bench: dict[str, Any]) -> list[float]:
@@ -111,24 +223,34 @@ def summarise(
     )
 
 
-def bench_files(source: Path) -> Iterable[tuple[str, dict[str, Any]]]:
-    """(relative name, parsed JSON) of every bench result in a directory or a tar.gz."""
+def read_source(source: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[GpuSample]]:
+    """(relative name, parsed JSON) of every bench result in a directory or a tar.gz, and
+    the GPU samples of its ``telemetry.csv`` (none when it has none)."""
+    benches: list[tuple[str, dict[str, Any]]] = []
     if source.is_dir():
         for path in sorted(source.glob("*/round-*/bench/*.json")):
-            yield path.relative_to(source).as_posix(), json.loads(path.read_text())
-        return
+            benches.append((path.relative_to(source).as_posix(), json.loads(path.read_text())))
+        telemetry = source / TELEMETRY_NAME
+        return benches, parse_telemetry(telemetry.read_text() if telemetry.is_file() else "")
+    text = ""
     with tarfile.open(source, "r:gz") as archive:
         for member in sorted(archive.getmembers(), key=lambda member: member.name):
             name = member.name.removeprefix("./")
-            if member.isfile() and BENCH_NAME.match(name):
-                handle = archive.extractfile(member)
-                assert handle is not None
-                yield name, json.load(io.TextIOWrapper(handle, encoding="utf-8"))
+            if not member.isfile() or not (BENCH_NAME.match(name) or name == TELEMETRY_NAME):
+                continue
+            handle = archive.extractfile(member)
+            assert handle is not None
+            if name == TELEMETRY_NAME:
+                text = handle.read().decode("utf-8")
+            else:
+                benches.append((name, json.load(io.TextIOWrapper(handle, encoding="utf-8"))))
+    return benches, parse_telemetry(text)
 
 
 def summaries(source: Path) -> list[StepSummary]:
     found: list[StepSummary] = []
-    for name, bench in bench_files(source):
+    benches, samples = read_source(source)
+    for name, bench in benches:
         match = BENCH_NAME.match(name)
         if match is None:
             continue
@@ -139,8 +261,12 @@ def summaries(source: Path) -> list[StepSummary]:
             scenario=match["scenario"],
             concurrency=int(match["concurrency"]),
         )
-        if summary is not None:
-            found.append(summary)
+        if summary is None:
+            continue
+        window = level_window(bench)
+        if samples and window is not None:
+            summary = replace(summary, gpu=gpu_state(samples, window))
+        found.append(summary)
     return found
 
 
@@ -148,26 +274,44 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _gpu_cells(state: GpuState | None) -> str:
+    if state is None:
+        return " - | - | - | - |"
+    load = "-" if state.load_max is None else f"{state.load_max:.1f}"
+    return (
+        f" {_ms(state.sm_mhz_p50)} [{_ms(state.sm_mhz_min)}] |"
+        f" {_ms(state.power_w_p50)} [{_ms(state.power_w_max)}] |"
+        f" {' + '.join(state.events) or 'none'} | {load} |"
+    )
+
+
 def render(sources: Sequence[Path], found: Sequence[Sequence[StepSummary]]) -> str:
+    with_gpu = any(row.gpu is not None for rows in found for row in rows)
+    header = (
+        "| source | scenario | concurrency | arm | steps | step p50 ms | long steps "
+        "| long p50 ms | long max ms | time in long steps s |"
+    )
+    if with_gpu:
+        header += " SM MHz p50 [min] | power W p50 [max] | clock events | load max |"
     lines = [
         "# Engine steps as the client saw them",
         "",
         f"A long step is one over {LONG_STEP_FACTOR:g}x the scenario's median step: it held "
         "prefill tokens or stalled. Steps before a scenario's first token are not seen.",
         "",
-        "| source | scenario | concurrency | arm | steps | step p50 ms | long steps "
-        "| long p50 ms | long max ms | time in long steps s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        header,
+        "|---" * (header.count("|") - 1) + "|",
     ]
     for source, rows in zip(sources, found, strict=True):
         label = source.name if source.is_dir() else source.parent.name
         order = sorted(rows, key=lambda row: (row.scenario, row.concurrency, row.arm, row.round))
         for row in order:
-            lines.append(
+            line = (
                 f"| {label} | {row.scenario} | {row.concurrency} | {row.arm} | {row.steps} | "
                 f"{row.step_p50_ms:.2f} | {row.long_steps} | {_ms(row.long_step_p50_ms)} | "
                 f"{_ms(row.long_step_max_ms)} | {row.long_step_total_s:.2f} |"
             )
+            lines.append(line + (_gpu_cells(row.gpu) if with_gpu else ""))
     return "\n".join(lines) + "\n"
 
 

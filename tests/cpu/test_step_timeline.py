@@ -105,3 +105,67 @@ def test_bad_sources_exit_2_and_write_nothing(tmp_path, capsys):
     assert step_timeline.main([str(tmp_path / "broken.tar.gz"), "--out", str(out)]) == 2
     assert "cannot read" in capsys.readouterr().err
     assert not out.exists()
+
+
+def _telemetry(rows: list[tuple[str, float, float, int, float]]) -> str:
+    header = (
+        "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,"
+        "clocks_event_reasons.active,loadavg_1min"
+    )
+    lines = [header]
+    for moment, clock, power, reasons, load in rows:
+        lines.append(f"{moment}, {clock}, 3201, {power}, 60, 99, {reasons:#018x}, {load}")
+    return "\n".join(lines) + "\n"
+
+
+def test_each_level_gets_the_gpu_state_of_its_own_window(tmp_path, capsys):
+    """telemetry.csv's samples are matched to a level by bench's end time and duration:
+    only the samples inside a level's run count, and the power-cap bit is named."""
+    first, _ = simulate(seed=5, concurrency=4, prefill_steps={})
+    second, _ = simulate(seed=6, concurrency=4, prefill_steps={})
+    first |= {"date": "20261204-200010", "duration": 5.0}  # ran 20:00:05 to 20:00:10
+    second |= {"date": "20261204-200030", "duration": 5.0}  # ran 20:00:25 to 20:00:30
+    rounds = tmp_path / "round"
+    for name, bench in (("decode-8k-c1", first), ("decode-8k-c8", second)):
+        path = rounds / "triton" / "round-1" / "bench"
+        path.mkdir(parents=True, exist_ok=True)
+        (path / f"{name}-c4-round1.json").write_text(json.dumps(bench))
+    samples = [
+        ("2026/12/04 20:00:00.500", 900.0, 100.0, 0x1, 9.0),  # idle, before both
+        ("2026/12/04 20:00:06.000", 1980.0, 500.0, 0x0, 1.0),
+        ("2026/12/04 20:00:08.000", 1960.0, 520.0, 0x0, 2.0),
+        ("2026/12/04 20:00:26.000", 1500.0, 699.0, 0x4, 3.0),
+        ("2026/12/04 20:00:29.000", 1400.0, 700.0, 0x4, 4.0),
+        ("2026/12/04 20:00:40.000", 100.0, 50.0, 0x40, 9.0),  # after both
+    ]
+    (rounds / "telemetry.csv").write_text(_telemetry(samples))
+    with tarfile.open(tmp_path / "rounds.tar.gz", "w:gz") as archive:
+        archive.add(rounds / "triton", arcname="triton")
+        archive.add(rounds / "telemetry.csv", arcname="telemetry.csv")
+    by_scenario = {row.scenario: row.gpu for row in step_timeline.summaries(rounds)}
+    assert by_scenario == {
+        row.scenario: row.gpu for row in step_timeline.summaries(tmp_path / "rounds.tar.gz")
+    }
+    quiet, capped = by_scenario["decode-8k-c1"], by_scenario["decode-8k-c8"]
+    assert quiet is not None and capped is not None
+    assert (quiet.samples, quiet.sm_mhz_p50, quiet.sm_mhz_min) == (2, 1970.0, 1960.0)
+    assert (quiet.power_w_max, quiet.events, quiet.load_max) == (520.0, (), 2.0)
+    assert (capped.samples, capped.sm_mhz_min, capped.power_w_p50) == (2, 1400.0, 699.5)
+    assert capped.events == ("power cap",)
+    assert step_timeline.main([str(rounds)]) == 0
+    table = capsys.readouterr().out
+    assert "| SM MHz p50 [min] | power W p50 [max] | clock events | load max |" in table
+    assert "| 1450.0 [1400.0] | 699.5 [700.0] | power cap | 4.0 |" in table
+
+
+def test_unreadable_telemetry_values_are_left_out():
+    text = _telemetry([("2026/12/04 20:00:06.000", 1980.0, 500.0, 0x0, 1.0)])
+    text += "2026/12/04 20:00:07.000, [N/A], 3201, [N/A], 60, 99, [N/A], 1.5\n"
+    text += "not a timestamp, 1, 2, 3, 4, 5, 0x0, 1\n"
+    samples = step_timeline.parse_telemetry(text)
+    assert len(samples) == 2
+    assert (samples[1].sm_mhz, samples[1].power_w, samples[1].reasons) == (None, None, None)
+    window = (samples[0].moment, samples[1].moment)
+    state = step_timeline.gpu_state(samples, window)
+    assert state is not None
+    assert (state.samples, state.sm_mhz_min, state.load_max) == (2, 1980.0, 1.5)
