@@ -901,9 +901,10 @@ def test_every_level_sends_prompts_of_its_own(tmp_path, stand_in_server, monkeyp
     monkeypatch.setattr(bench, "run_bench_level", fake_bench)
     monkeypatch.setattr(throughput, "run_level", fake_own_level)
     shape = {"input_tokens": 8, "output_tokens": 4}
+    # decode-b lists concurrency 1 twice: two levels, each with prompts of its own.
     scenarios = [
-        {"name": name, "shapes": [shape], "concurrency": [1, 2], "num_requests": 2}
-        for name in ("decode-a", "decode-b")
+        {"name": name, "shapes": [shape], "concurrency": levels, "num_requests": 2}
+        for name, levels in (("decode-a", [1, 2]), ("decode-b", [1, 1]))
     ]
     (tmp_path / "two.yaml").write_text(yaml.safe_dump({"scenarios": scenarios}))
     preset = presets.load_throughput_preset(str(tmp_path / "two.yaml"))
@@ -955,9 +956,9 @@ def test_level_seeds_give_vllm_bench_distinct_prompts():
     old = [starts(preset.seed, scenario) for scenario in decode_8k]
     assert all(smaller <= larger for smaller, larger in itertools.pairwise(old))
     new = [
-        starts(throughput.level_seed(preset.seed, scenario.name, concurrency, 0), scenario)
+        starts(throughput.level_seed(preset.seed, scenario.name, index, concurrency, 0), scenario)
         for scenario in one_shape
-        for concurrency in scenario.concurrency
+        for index, concurrency in enumerate(scenario.concurrency)
     ]
     shared = sum(len(a & b) for a, b in itertools.combinations(new, 2))
     assert shared <= 1

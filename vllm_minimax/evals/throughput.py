@@ -7,8 +7,8 @@ asyncio client here, whose definitions are bench's. ``--client own`` runs every 
 on the client here (where vLLM is not importable). Both give the same level record, so the
 reports and the A/B runner do not depend on which one measured.
 
-Each level's prompts come from a seed of its own (:func:`level_seed`: per scenario,
-concurrency and round), so no level re-sends the prompts of an earlier one on the same server,
+Each level's prompts come from a seed of its own (:func:`level_seed`: per scenario, level
+and round), so no level re-sends the prompts of an earlier one on the same server,
 where prefix caching would serve them from the cache, and every server of an A/B gets the same
 prompts. This project's client: each request's prompt is random token ids, sent as a token
 list so the prompt length is exact, with ``ignore_eos`` so the output length is exact too.
@@ -265,12 +265,15 @@ async def run_level(
         return timings, time.perf_counter() - started
 
 
-def level_seed(preset_seed: int, scenario: str, concurrency: int, round_number: int) -> int:
-    """The seed of one level's prompts, for both clients: distinct per scenario, concurrency
-    and round (vLLM's benchmark client draws the same prompts from the same seed whatever the
-    scenario, so one seed for the whole preset re-sent earlier levels' prompts), the same for
-    every server of an A/B."""
-    key = f"{preset_seed}/{scenario}/c{concurrency}/round{round_number}".encode()
+def level_seed(
+    preset_seed: int, scenario: str, level_index: int, concurrency: int, round_number: int
+) -> int:
+    """The seed of one level's prompts, for both clients: distinct per scenario, level (its
+    place in the scenario's concurrency list, which may name a concurrency twice) and round
+    (vLLM's benchmark client draws the same prompts from the same seed whatever the scenario,
+    so one seed for the whole preset re-sent earlier levels' prompts), the same for every
+    server of an A/B."""
+    key = f"{preset_seed}/{scenario}/{level_index}:c{concurrency}/round{round_number}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:4], "big")
 
 
@@ -383,12 +386,13 @@ def run_throughput(
     def measure(
         scenario: ThroughputScenario,
         record: dict[str, Any],
+        level_index: int,
         concurrency: int,
         round_number: int,
         label: str,
     ) -> dict[str, Any]:
         """One level's record, from the scenario's client."""
-        seed = level_seed(preset.seed, scenario.name, concurrency, round_number)
+        seed = level_seed(preset.seed, scenario.name, level_index, concurrency, round_number)
         if record["client"] == "own":
             prompts = scenario_prompts(scenario, vocabulary, seed)
             timings, duration = send(prompts, concurrency, label)
@@ -419,11 +423,13 @@ def run_throughput(
                     label = f"throughput {scenario.name} warm-up"
                     warmup = warmup_prompts(scenario, vocabulary, preset.seed)
                     send(warmup, len(warmup), label)
-                for concurrency in scenario.concurrency:
+                for level_index, concurrency in enumerate(scenario.concurrency):
                     label = f"throughput {scenario.name} concurrency {concurrency}"
                     if repeat > 1 or round_number:
                         label += f" round {round_number + 1}"
-                    metrics = measure(scenario, record, concurrency, round_number, label)
+                    metrics = measure(
+                        scenario, record, level_index, concurrency, round_number, label
+                    )
                     record["levels"].append(
                         {"concurrency": concurrency, "round": round_number, **metrics}
                     )
