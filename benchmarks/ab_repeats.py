@@ -52,7 +52,9 @@ def find_runs(paths: Sequence[Path]) -> list[Path]:
 RESENT = " (re-sent prompts)"
 
 
-def named_levels(throughput: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+def named_levels(
+    throughput: dict[str, Any], merge_resent: bool = False
+) -> Iterator[tuple[str, dict[str, Any]]]:
     """Each level of one arm's throughput record, with the point it is pooled under: its
     scenario's name, plus RESENT for a level that re-sent an earlier level's prompts to the
     same server. That happened before each level had its own seed (levels without
@@ -60,7 +62,8 @@ def named_levels(throughput: dict[str, Any]) -> Iterator[tuple[str, dict[str, An
     the same seed gives the same first prompts, so each bench level after the first of a
     round re-sent those (prefix caching served them); this project's client re-sent its
     scenario's prompts at each level. Such levels measured another workload, so they are
-    kept apart from levels with prompts of their own."""
+    kept apart from levels with prompts of their own, unless ``merge_resent`` (for the
+    decode step, which the prompts a level sent do not change)."""
     seen: set[tuple[str, int]] = set()
     for scenario in throughput.get("scenarios", []):
         for level in scenario["levels"]:
@@ -68,18 +71,20 @@ def named_levels(throughput: dict[str, Any]) -> Iterator[tuple[str, dict[str, An
             if "prompt_seed" not in level:
                 pool = "bench" if scenario.get("client") == "vllm-bench" else name
                 key = (pool, level.get("round", 0))
-                if key in seen:
+                if key in seen and not merge_resent:
                     name += RESENT
                 seen.add(key)
             yield name, level
 
 
-def collect(runs: Sequence[dict[str, Any]]) -> dict[tuple[str, int], dict[str, list]]:
+def collect(
+    runs: Sequence[dict[str, Any]], merge_resent: bool = False
+) -> dict[tuple[str, int], dict[str, list]]:
     """(point, concurrency) -> arm -> one level per run that measured it."""
     table: dict[tuple[str, int], dict[str, list]] = {}
     for run in runs:
         for arm in run["arms"]:
-            for name, level in named_levels(arm.get("throughput") or {}):
+            for name, level in named_levels(arm.get("throughput") or {}, merge_resent):
                 key = (name, level["concurrency"])
                 table.setdefault(key, {}).setdefault(arm["name"], []).append(level)
     return table
@@ -90,7 +95,11 @@ PAIRED = ("tok/s", "TTFT p50 ms", "TPOT p50 ms", "ITL p50 ms")
 
 
 def ratios(
-    runs: Sequence[dict[str, Any]], numerator: str, denominator: str, metric: str = "tok/s"
+    runs: Sequence[dict[str, Any]],
+    numerator: str,
+    denominator: str,
+    metric: str = "tok/s",
+    merge_resent: bool = False,
 ) -> dict:
     """(scenario, concurrency) -> numerator / denominator of `metric` (a METRICS label), one
     per round of a run that measured both arms (a run's rounds are its `--repeat` rounds,
@@ -104,7 +113,7 @@ def ratios(
         levels = {
             arm: {
                 (point, level["concurrency"], level.get("round", 0)): read(level)
-                for point, level in named_levels(by_arm[arm])
+                for point, level in named_levels(by_arm[arm], merge_resent)
             }
             for arm in (numerator, denominator)
         }
@@ -160,7 +169,33 @@ def summarise(runs: Sequence[dict[str, Any]], arms: Sequence[str], tp: int) -> d
         }
         entry["ratio"] = entry["ratios"].get("tok/s")
         points.append(entry)
-    return {"arms": list(arms), "tensor_parallel_size": tp, "runs": len(runs), "points": points}
+    summary = {"arms": list(arms), "tensor_parallel_size": tp, "runs": len(runs), "points": points}
+    if any(scenario.endswith(RESENT) for scenario, _ in table):
+        summary["decode_steps"] = decode_steps(runs, arms)
+    return summary
+
+
+def decode_steps(runs: Sequence[dict[str, Any]], arms: Sequence[str]) -> list[dict[str, Any]]:
+    """ITL p50 per scenario over every round, re-sent prompts or not: a level's decode
+    steps do not depend on which prompts it sent (prefix caching shortens only its
+    prefill)."""
+    paired = (
+        ratios(runs, arms[1], arms[0], "ITL p50 ms", merge_resent=True) if len(arms) > 1 else {}
+    )
+    read = dict(METRICS)["ITL p50 ms"]
+    out = []
+    for (scenario, concurrency), by_arm in collect(runs, merge_resent=True).items():
+        out.append(
+            {
+                "scenario": scenario,
+                "concurrency": concurrency,
+                "arms": {
+                    arm: spread([read(level) for level in by_arm.get(arm, [])]) for arm in arms
+                },
+                "ratio": spread(paired.get((scenario, concurrency), [])),
+            }
+        )
+    return out
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -210,6 +245,26 @@ def markdown(summary: dict[str, Any]) -> str:
         for point in summary["points"]:
             cells = "".join(f" {cell(point['ratios'][m], 3)} |" for m in PAIRED)
             lines.append(f"| {point['scenario']} | {point['concurrency']} |{cells}")
+    if "decode_steps" in summary:
+        header = "| scenario | concurrency |" + "".join(f" {arm} ITL p50 ms |" for arm in arms)
+        if len(arms) > 1:
+            header += f" {arms[1]} / {arms[0]}, paired |"
+        lines += [
+            "",
+            "## The decode step over every round",
+            "",
+            f"ITL p50 with the{RESENT} levels pooled in: which prompts a level sent changes"
+            " its prefill, not its decode steps.",
+            "",
+            header,
+            "|---" * (header.count("|") - 1) + "|",
+        ]
+        for point in summary["decode_steps"]:
+            row = f"| {point['scenario']} | {point['concurrency']} |"
+            row += "".join(f" {cell(point['arms'][arm], 2)} |" for arm in arms)
+            if len(arms) > 1:
+                row += f" {cell(point['ratio'], 3)} |"
+            lines.append(row)
     return "\n".join(lines) + "\n"
 
 

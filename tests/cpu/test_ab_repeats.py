@@ -128,13 +128,17 @@ def test_latency_ratios_pair_within_each_round(tmp_path):
     assert "0.975 [0.960-0.990] (n=3)" in text
 
 
-def _bench_run(tok_s: dict[str, tuple[float, float]], seeded: bool) -> dict:
-    """Two vllm-bench scenarios on each arm's server, with or without per-level seeds."""
+def _bench_run(
+    tok_s: dict[str, tuple[float, float]], seeded: bool, itl: dict[str, float] | None = None
+) -> dict:
+    """Two vllm-bench scenarios on each arm's server, with or without per-level seeds; each
+    level's ITL p50 is the arm's `itl`."""
     arms = []
     for name, (first, second) in tok_s.items():
         scenarios = []
         for scenario, value, seed in (("decode-8k-c1", first, 11), ("decode-8k-c8", second, 12)):
             level = {**_level(1, value, 200, 6), "round": 0}
+            level["itl_ms"] = {"p50": (itl or {}).get(name, 9.0)}
             if seeded:
                 level["prompt_seed"] = seed
             scenarios.append({"name": scenario, "client": "vllm-bench", "levels": [level]})
@@ -146,8 +150,16 @@ def test_levels_that_resent_prompts_are_pooled_apart(tmp_path):
     """Before level seeds, a bench level after the first on a server re-sent its prompts:
     it is its own point, and its ratio pairs only with levels like it."""
     runs = {
-        "old": _bench_run({"triton": (100.0, 400.0), "flashinfer": (110.0, 600.0)}, seeded=False),
-        "new": _bench_run({"triton": (100.0, 500.0), "flashinfer": (120.0, 500.0)}, seeded=True),
+        "old": _bench_run(
+            {"triton": (100.0, 400.0), "flashinfer": (110.0, 600.0)},
+            seeded=False,
+            itl={"triton": 10.0, "flashinfer": 9.0},
+        ),
+        "new": _bench_run(
+            {"triton": (100.0, 500.0), "flashinfer": (120.0, 500.0)},
+            seeded=True,
+            itl={"triton": 10.0, "flashinfer": 9.5},
+        ),
     }
     for name, run in runs.items():
         (tmp_path / name).mkdir()
@@ -163,4 +175,22 @@ def test_levels_that_resent_prompts_are_pooled_apart(tmp_path):
     assert points["decode-8k-c1"]["arms"]["triton"]["tok/s"]["n"] == 2
     assert points["decode-8k-c8"]["ratio"] == {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}
     assert points[f"decode-8k-c8{ab_repeats.RESENT}"]["ratio"]["median"] == pytest.approx(1.5)
-    assert "re-sent prompts an earlier level" in (out / "repeats.md").read_text()
+    text = (out / "repeats.md").read_text()
+    assert "re-sent prompts an earlier level" in text
+    # The decode step pools every round: the prompts a level sent do not change it.
+    steps = {
+        p["scenario"]: p for p in json.loads((out / "repeats.json").read_text())["decode_steps"]
+    }
+    assert sorted(steps) == ["decode-8k-c1", "decode-8k-c8"]
+    c8 = steps["decode-8k-c8"]
+    assert c8["arms"]["flashinfer"] == {"median": 9.25, "min": 9.0, "max": 9.5, "n": 2}
+    assert (c8["ratio"]["min"], c8["ratio"]["max"], c8["ratio"]["n"]) == (0.9, 0.95, 2)
+    assert "| decode-8k-c8 | 1 | 10.00 [10.00-10.00] (n=2) | 9.25 [9.00-9.50] (n=2) |" in text
+
+
+def test_no_decode_step_table_without_resent_levels(tmp_path):
+    run = _bench_run({"triton": (100.0, 500.0), "flashinfer": (120.0, 500.0)}, seeded=True)
+    (tmp_path / "ab.json").write_text(json.dumps(run))
+    assert ab_repeats.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    assert "decode_steps" not in json.loads((tmp_path / "out" / "repeats.json").read_text())
+    assert "over every round" not in (tmp_path / "out" / "repeats.md").read_text()
