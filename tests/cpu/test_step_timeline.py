@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
+import subprocess
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +172,33 @@ def test_unreadable_telemetry_values_are_left_out():
     state = step_timeline.gpu_state(samples, window)
     assert state is not None
     assert (state.samples, state.sm_mhz_min, state.load_max) == (2, 1980.0, 1.5)
+
+
+@pytest.mark.parametrize("reasons_field", ["clocks_event_reasons", "clocks_throttle_reasons"])
+def test_the_device_scripts_telemetry_parses(tmp_path, reasons_field):
+    """scripts/m3-rank-h200's sampler, run with a stand-in nvidia-smi that knows only one
+    name of the clock-event field, writes what parse_telemetry reads."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "m3-rank-h200"
+    stub = tmp_path / "bin" / "nvidia-smi"
+    stub.parent.mkdir()
+    stub.write_text(
+        "#!/bin/bash\n"
+        f'case "$*" in *{reasons_field}*) ;; *) exit 6 ;; esac\n'
+        'echo "2026/12/04 20:30:00.250, 1755, 3201, 612.50, 55, 97, 0x0000000000000004"\n'
+    )
+    stub.chmod(0o755)
+    out = tmp_path / "round"
+    out.mkdir()
+    sampler = (
+        f"source <(sed -n '/^sample_gpu() {{/,/^}}/p' {script}); "
+        f"sample_gpu {out} {out}/stop & sleep 1.5; touch {out}/stop; wait"
+    )
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}"}
+    subprocess.run(["bash", "-c", sampler], check=True, env=env, timeout=30)
+    text = (out / "telemetry.csv").read_text()
+    assert text.splitlines()[0].split(",")[-2] == f"{reasons_field}.active"
+    samples = step_timeline.parse_telemetry(text)
+    assert samples, text
+    first = samples[0]
+    assert (first.sm_mhz, first.power_w, first.reasons) == (1755.0, 612.5, 0x4)
+    assert first.load is not None
