@@ -147,10 +147,18 @@ def cell(summary: dict[str, float] | None, digits: int) -> str:
     )
 
 
-def summarise(runs: Sequence[dict[str, Any]], arms: Sequence[str], tp: int) -> dict[str, Any]:
-    table = collect(runs)
-    paired = {m: ratios(runs, arms[1], arms[0], m) for m in PAIRED} if len(arms) > 1 else {}
-    points = []
+def points(
+    runs: Sequence[dict[str, Any]], arms: Sequence[str], tp: int, merge_resent: bool = False
+) -> list[dict[str, Any]]:
+    """Per (point, concurrency): each arm's spread of every METRICS label and of tok/s per
+    GPU, and the spread of the per-round ratios of the PAIRED metrics."""
+    table = collect(runs, merge_resent)
+    paired = (
+        {m: ratios(runs, arms[1], arms[0], m, merge_resent) for m in PAIRED}
+        if len(arms) > 1
+        else {}
+    )
+    out = []
     for (scenario, concurrency), by_arm in table.items():
         entry: dict[str, Any] = {"scenario": scenario, "concurrency": concurrency, "arms": {}}
         for arm in arms:
@@ -168,34 +176,30 @@ def summarise(runs: Sequence[dict[str, Any]], arms: Sequence[str], tp: int) -> d
             for metric, by_point in paired.items()
         }
         entry["ratio"] = entry["ratios"].get("tok/s")
-        points.append(entry)
-    summary = {"arms": list(arms), "tensor_parallel_size": tp, "runs": len(runs), "points": points}
-    if any(scenario.endswith(RESENT) for scenario, _ in table):
-        summary["decode_steps"] = decode_steps(runs, arms)
-    return summary
-
-
-def decode_steps(runs: Sequence[dict[str, Any]], arms: Sequence[str]) -> list[dict[str, Any]]:
-    """ITL p50 per scenario over every round, re-sent prompts or not: a level's decode
-    steps do not depend on which prompts it sent (prefix caching shortens only its
-    prefill)."""
-    paired = (
-        ratios(runs, arms[1], arms[0], "ITL p50 ms", merge_resent=True) if len(arms) > 1 else {}
-    )
-    read = dict(METRICS)["ITL p50 ms"]
-    out = []
-    for (scenario, concurrency), by_arm in collect(runs, merge_resent=True).items():
-        out.append(
-            {
-                "scenario": scenario,
-                "concurrency": concurrency,
-                "arms": {
-                    arm: spread([read(level) for level in by_arm.get(arm, [])]) for arm in arms
-                },
-                "ratio": spread(paired.get((scenario, concurrency), [])),
-            }
-        )
+        out.append(entry)
     return out
+
+
+def summarise(runs: Sequence[dict[str, Any]], arms: Sequence[str], tp: int) -> dict[str, Any]:
+    summary = {
+        "arms": list(arms),
+        "tensor_parallel_size": tp,
+        "runs": len(runs),
+        "points": points(runs, arms, tp),
+    }
+    if any(point["scenario"].endswith(RESENT) for point in summary["points"]):
+        # ITL p50 over every round, re-sent prompts or not: a level's decode steps do not
+        # depend on which prompts it sent (prefix caching shortens only its prefill).
+        summary["decode_steps"] = [
+            {
+                "scenario": point["scenario"],
+                "concurrency": point["concurrency"],
+                "arms": {arm: point["arms"][arm]["ITL p50 ms"] for arm in arms},
+                "ratio": point["ratios"].get("ITL p50 ms"),
+            }
+            for point in points(runs, arms, tp, merge_resent=True)
+        ]
+    return summary
 
 
 def markdown(summary: dict[str, Any]) -> str:
