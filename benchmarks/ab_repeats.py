@@ -64,12 +64,13 @@ def named_levels(
     scenario's prompts at each level. Such levels measured another workload, so they are
     kept apart from levels with prompts of their own, unless ``merge_resent`` (for the
     decode step, which the prompts a level sent do not change)."""
-    seen: set[tuple[str, int]] = set()
+    # Per round: None stands for all of vllm bench's levels, a name for one scenario's own.
+    seen: set[tuple[str | None, int]] = set()
     for scenario in throughput.get("scenarios", []):
         for level in scenario["levels"]:
             name = scenario["name"]
             if "prompt_seed" not in level:
-                pool = "bench" if scenario.get("client") == "vllm-bench" else name
+                pool = None if scenario.get("client") == "vllm-bench" else name
                 key = (pool, level.get("round", 0))
                 if key in seen and not merge_resent:
                     name += RESENT

@@ -194,3 +194,22 @@ def test_no_decode_step_table_without_resent_levels(tmp_path):
     assert ab_repeats.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
     assert "decode_steps" not in json.loads((tmp_path / "out" / "repeats.json").read_text())
     assert "over every round" not in (tmp_path / "out" / "repeats.md").read_text()
+
+
+def test_own_client_scenario_named_bench_is_its_own_pool(tmp_path):
+    """A scenario run by this project's client re-sent only its own earlier levels' prompts,
+    whatever its name; vllm bench's levels share one pool per round."""
+    run = _bench_run({"triton": (100.0, 400.0), "flashinfer": (110.0, 600.0)}, seeded=False)
+    for arm in run["arms"]:
+        own = {**_level(1, 50.0, 200, 6), "round": 0}
+        arm["throughput"]["scenarios"].insert(
+            0, {"name": "bench", "client": "own", "levels": [own]}
+        )
+    (tmp_path / "ab.json").write_text(json.dumps(run))
+    assert ab_repeats.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    points = json.loads((tmp_path / "out" / "repeats.json").read_text())["points"]
+    assert sorted(p["scenario"] for p in points) == [
+        "bench",
+        "decode-8k-c1",
+        f"decode-8k-c8{ab_repeats.RESENT}",
+    ]
