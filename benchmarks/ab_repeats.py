@@ -16,13 +16,15 @@ apart from its scenario.
 
 A TP-N rank's slice produces every output token the whole deployment produces: its tok/s
 is an upper bound on the deployment's (the collectives are left out) and tok/s per GPU is
-that divided by N (``--tensor-parallel-size``). Writes OUT/repeats.json and OUT/repeats.md.
+that divided by N (``--tensor-parallel-size``). Writes OUT/repeats.json and OUT/repeats.md,
+and with two arms OUT/repeats.png: the paired ratios of every point with their range.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from collections.abc import Iterator, Sequence
@@ -273,6 +275,81 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def point_label(scenario: str, concurrency: int) -> str:
+    """The scenario's name, with the concurrency unless the name already says it (c8)."""
+    if re.search(rf"\bc{concurrency}\b", scenario):
+        return scenario
+    return f"{scenario}, c={concurrency}"
+
+
+def ratio_series(summary: dict[str, Any], metric: str) -> list[tuple[str, dict[str, float]]]:
+    """(point label, spread) of the paired ratio of `metric` (a PAIRED label) at every point
+    that has one, in the tables' order. ITL p50 comes from the decode-step table when there
+    is one, as there every round is pooled."""
+    if metric == "ITL p50 ms" and "decode_steps" in summary:
+        rows = [(p["scenario"], p["concurrency"], p["ratio"]) for p in summary["decode_steps"]]
+    else:
+        rows = [
+            (p["scenario"], p["concurrency"], p["ratios"].get(metric)) for p in summary["points"]
+        ]
+    return [(point_label(scenario, c), ratio) for scenario, c, ratio in rows if ratio]
+
+
+def plot_ratios(summary: dict[str, Any], path: Path) -> bool:
+    """One panel per PAIRED metric: each point's median ratio, bars from min to max, n beside
+    it, and a line at 1. Returns whether there was anything to draw."""
+    arms = summary["arms"]
+    series = {metric: ratio_series(summary, metric) for metric in PAIRED}
+    if len(arms) < 2 or not any(series.values()):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(label for rows in series.values() for label, _ in rows))
+    figure, axes = plt.subplots(
+        1, len(PAIRED), figsize=(3.6 * len(PAIRED) + 2.5, 0.32 * len(labels) + 1.6), sharey=True
+    )
+    for axis, metric in zip(axes, PAIRED, strict=True):
+        rows = series[metric]
+        if rows:
+            ys = [labels.index(label) for label, _ in rows]
+            medians = [ratio["median"] for _, ratio in rows]
+            axis.errorbar(
+                medians,
+                ys,
+                xerr=[
+                    [ratio["median"] - ratio["min"] for _, ratio in rows],
+                    [ratio["max"] - ratio["median"] for _, ratio in rows],
+                ],
+                fmt="o",
+                capsize=3,
+            )
+            for y, (_, ratio) in zip(ys, rows, strict=True):
+                axis.annotate(
+                    f"n={ratio['n']}",
+                    (ratio["max"], y),
+                    xytext=(4, -3),
+                    textcoords="offset points",
+                    fontsize=7,
+                )
+        axis.axvline(1.0, color="grey", linestyle="--", linewidth=1)
+        axis.set_title(metric.removesuffix(" ms"))
+        axis.grid(alpha=0.3)
+    axes[0].set_yticks(range(len(labels)), labels)
+    axes[0].set_ylim(len(labels) - 0.5, -0.5)
+    figure.suptitle(
+        f"{arms[1]} / {arms[0]}, paired within each round: median, bars min..max"
+        f" (below 1 is lower for {arms[1]})",
+        fontsize=10,
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.ab_repeats", description=__doc__.splitlines()[0]
@@ -294,6 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "repeats.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = markdown(summary)
+    if plot_ratios(summary, args.out / "repeats.png"):
+        text += "\n![The paired ratios of every point](repeats.png)\n"
     (args.out / "repeats.md").write_text(text)
     print(text)
     return 0

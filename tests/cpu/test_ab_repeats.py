@@ -213,3 +213,85 @@ def test_own_client_scenario_named_bench_is_its_own_pool(tmp_path):
         "decode-8k-c1",
         f"decode-8k-c8{ab_repeats.RESENT}",
     ]
+
+
+def test_the_plot_draws_each_metrics_paired_ratios(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    for index, flashinfer in enumerate((880.0, 800.0, 960.0), 1):
+        run = _run(["triton", "flashinfer"], {"triton": 800.0, "flashinfer": flashinfer})
+        (tmp_path / "runs" / f"rep{index}").mkdir(parents=True)
+        (tmp_path / "runs" / f"rep{index}" / "ab.json").write_text(json.dumps(run))
+
+    drawn = []
+    bars = []
+    original = plt.Figure.savefig
+
+    def capture(figure, *args, **kwargs):
+        drawn.append(
+            [
+                (
+                    axis.get_title(),
+                    [list(line.get_xdata()) for line in axis.lines if line.get_marker() == "o"],
+                )
+                for axis in figure.axes
+            ]
+        )
+        first = figure.axes[0].collections[0].get_segments()
+        bars.extend([float(x) for x, _ in segment] for segment in first)
+        return original(figure, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", capture)
+    out = tmp_path / "out"
+    assert ab_repeats.main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert (out / "repeats.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![The paired ratios of every point](repeats.png)" in (out / "repeats.md").read_text()
+    (panels,) = drawn
+    # tok/s 1.1 (median of 1.1, 1.0, 1.2); TTFT and TPOT equal in both arms; no ITL measured.
+    assert panels == [
+        ("tok/s", [[pytest.approx(1.1)]]),
+        ("TTFT p50", [[1.0]]),
+        ("TPOT p50", [[1.0]]),
+        ("ITL p50", []),
+    ]
+    assert bars == [[pytest.approx(1.0), pytest.approx(1.2)]]  # tok/s's min..max
+
+
+def test_no_plot_for_one_arm(run_dirs):
+    out = run_dirs / "out"
+    assert ab_repeats.main([str(run_dirs / "runs"), "--out", str(out), "--arms", "triton"]) == 0
+    assert not (out / "repeats.png").exists()
+    assert "repeats.png" not in (out / "repeats.md").read_text()
+
+
+def test_ratio_series_labels_and_the_pooled_decode_step():
+    assert ab_repeats.point_label("decode-8k-c8", 8) == "decode-8k-c8"
+    assert ab_repeats.point_label(f"decode-8k-c8{ab_repeats.RESENT}", 8) == (
+        f"decode-8k-c8{ab_repeats.RESENT}"
+    )
+    assert ab_repeats.point_label("decode-8k-c16", 1) == "decode-8k-c16, c=1"
+    assert ab_repeats.point_label("decode", 32) == "decode, c=32"
+    runs = [
+        _bench_run(
+            {"triton": (100.0, 400.0), "flashinfer": (110.0, 600.0)},
+            seeded=False,
+            itl={"triton": 10.0, "flashinfer": 9.0},
+        ),
+        _bench_run(
+            {"triton": (100.0, 500.0), "flashinfer": (120.0, 500.0)},
+            seeded=True,
+            itl={"triton": 10.0, "flashinfer": 9.5},
+        ),
+    ]
+    summary = ab_repeats.summarise(runs, ["triton", "flashinfer"], 8)
+    tok = dict(ab_repeats.ratio_series(summary, "tok/s"))
+    assert list(tok) == [
+        "decode-8k-c1",
+        f"decode-8k-c8{ab_repeats.RESENT}, c=1",
+        "decode-8k-c8, c=1",
+    ]
+    assert tok[f"decode-8k-c8{ab_repeats.RESENT}, c=1"]["median"] == pytest.approx(1.5)
+    # ITL pools every round, re-sent prompts or not, as the decode-step table does.
+    itl = dict(ab_repeats.ratio_series(summary, "ITL p50 ms"))
+    assert list(itl) == ["decode-8k-c1", "decode-8k-c8, c=1"]
+    assert (itl["decode-8k-c8, c=1"]["min"], itl["decode-8k-c8, c=1"]["n"]) == (0.9, 2)
