@@ -166,8 +166,8 @@ def run(args: argparse.Namespace) -> int:
         geometry, on_program=report
     )
     print(
-        f"{len(built_programs)} programs ready in {seconds:.1f}s: {built} newly built into"
-        f" {jit_dir}, the rest already there"
+        f"{len(built_programs)} programs ready in {seconds:.1f}s: {built} artifacts built or"
+        f" rebuilt in {jit_dir}, the rest already there"
     )
     print(f"serve with {WORKSPACE_ENV}={location.workspace_base} to use them")
     return 0

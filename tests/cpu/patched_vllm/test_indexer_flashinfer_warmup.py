@@ -12,6 +12,7 @@ warm-up's own calls go through the same stubbed dispatch: both sets must match.
 from __future__ import annotations
 
 import itertools
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -233,6 +234,46 @@ def test_program_list_is_kept_beside_the_jit_cache(tmp_path, monkeypatch):
     # Another geometry is not served from that list.
     with pytest.raises(AssertionError, match="swept again"):
         warmup.cached_indexer_flashinfer_programs(_geometry(2, 4096, 301))
+
+
+def test_the_warmup_counts_rebuilt_artifacts_as_built(tmp_path, monkeypatch):
+    """An artifact ninja rebuilds in place (its source is newer, as on a machine
+    whose FlashInfer was installed after the cache was built) counts as built,
+    as a new one does; an artifact left alone does not."""
+    from flashinfer.jit import env as jit_env
+
+    monkeypatch.setattr(jit_env, "FLASHINFER_JIT_DIR", tmp_path)
+    kept, rebuilt, new = (
+        tmp_path / "cake_kept" / "kept.so",
+        tmp_path / "cake_rebuilt" / "kernel.cuda.o",
+        tmp_path / "topk_cute_dsl" / "kernel.o",
+    )
+    for path in (kept, rebuilt):
+        path.parent.mkdir()
+        path.write_bytes(b"old")
+        os.utime(path, ns=(10**18, 10**18))
+    (tmp_path / "cake_rebuilt" / "build.ninja").write_text("not an artifact")
+    programs = [
+        warmup.FlashInferProgram("cake:rebuilt", warmup.ProxyScoreCall((1,), 4, 4)),
+        warmup.FlashInferProgram("cute:topk", warmup.TopkSelectCall(4, 1)),
+    ]
+    monkeypatch.setattr(warmup, "cached_indexer_flashinfer_programs", lambda g: programs)
+    monkeypatch.setattr(warmup, "_prebuild_cake_programs", lambda programs: None)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda: None)
+
+    def rebuild(*args):
+        rebuilt.write_bytes(b"rebuilt")
+        os.utime(rebuilt, ns=(10**18 + 10**9, 10**18 + 10**9))
+
+    def build_new(*args):
+        new.parent.mkdir()
+        new.write_bytes(b"new")
+
+    monkeypatch.setattr(warmup, "_run_proxy_score", rebuild)
+    monkeypatch.setattr(warmup, "_run_topk_select", build_new)
+    ready, built, _ = warmup.build_indexer_flashinfer_programs(_geometry(1, 8192, 1024))
+    assert ready == programs
+    assert built == 2
 
 
 def test_vllm_warmup_registry_builds_each_geometry_once(monkeypatch):
