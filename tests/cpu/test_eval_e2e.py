@@ -220,9 +220,13 @@ AGREEMENT_ROUNDS = 3
 # instead of per level (3.6x at c=4), which shift every round.
 # TTFT and TPOT are compared exactly through bench's per-request timings instead: a level
 # whose chunks arrive bunched (a starved client) has TPOT near 0 and TTFT near E2E.
+# Beside another lane of tests, bench (more work per streamed token) can stay starved for two
+# rounds of three (c=4: 0.42 and 0.34 of this project's tok/s in one CI run), so
+# scripts/test runs this test alone, after the others (the quiet_cpu mark).
 AGREEMENT_TOLERANCE = 1.6
 
 
+@pytest.mark.quiet_cpu
 def test_vllm_bench_and_the_own_client_agree(server: VllmServer, tiny_llama: Path, tmp_path: Path):
     """One shape on this server through `vllm bench serve` and this project's client,
     alternated over rounds (client_agreement_probe.py)."""
