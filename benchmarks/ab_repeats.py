@@ -183,6 +183,10 @@ def points(
     return out
 
 
+def has_resent_levels(summary: dict[str, Any]) -> bool:
+    return any(point["scenario"].endswith(RESENT) for point in summary["points"])
+
+
 def summarise(runs: Sequence[dict[str, Any]], arms: Sequence[str], tp: int) -> dict[str, Any]:
     summary = {
         "arms": list(arms),
@@ -190,7 +194,7 @@ def summarise(runs: Sequence[dict[str, Any]], arms: Sequence[str], tp: int) -> d
         "runs": len(runs),
         "points": points(runs, arms, tp),
     }
-    if any(point["scenario"].endswith(RESENT) for point in summary["points"]):
+    if has_resent_levels(summary):
         # ITL p50 over every round, re-sent prompts or not: a level's decode steps do not
         # depend on which prompts it sent (prefix caching shortens only its prefill).
         summary["decode_steps"] = [
@@ -213,7 +217,7 @@ def markdown(summary: dict[str, Any]) -> str:
         f"tok/s per GPU is the slice's tok/s / {summary['tensor_parallel_size']}.",
         "",
     ]
-    if any(point["scenario"].endswith(RESENT) for point in summary["points"]):
+    if has_resent_levels(summary):
         lines += [
             f"A point marked{RESENT} is a level that re-sent prompts an earlier level of its"
             " server had sent (runs from before each level had a seed of its own), so prefix"
