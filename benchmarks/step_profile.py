@@ -10,13 +10,16 @@ chunked prefill on), plus the arm's indexer backend and ``--max-num-batched-toke
 Needs the patched vLLM (the ``minimax_m3_indexer_backend`` attention option). Each arm
 (``--arms``, default triton and flashinfer) runs in a process of its own with one
 ``LLM(...)`` engine, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the torch
-profiler sees the model. Two points:
+profiler sees the model. Three points:
 
 - ``decode``: ``--decode-batch`` requests of ``--decode-context`` tokens, their prompts in the
   prefix cache first, so that the profiled steps after ``--skip-steps`` are pure decode;
 - ``mixed``: ``--mixed-decodes`` cached 2k-token requests decoding while one uncached
   ``--mixed-long-context``-token prompt is prefilled chunk by chunk in the same steps; the
-  decodes run as many steps as the prompt has chunks, so every profiled step is mixed.
+  decodes run as many steps as the prompt has chunks, so every profiled step is mixed;
+- ``prefill``: uncached ``--prefill-context``-token prompts alone, one after another, one
+  chunk of ``--max-num-batched-tokens`` a step; ``--steps`` must be a multiple of a prompt's
+  chunks, so that the profiled steps hold every chunk position equally often.
 
 Only the ``--steps`` steps after ``--skip-steps`` are reported. Before the profiled run, the
 point's unprofiled run of the same shape is timed (wall ms per step, in the report), and
@@ -56,7 +59,7 @@ from typing import Any
 STEP_RANGE = "step_profile::step"
 INDEXER_RANGE = "step_profile::indexer"
 ARMS = ("triton", "flashinfer")
-POINTS = ("decode", "mixed")
+POINTS = ("decode", "mixed", "prefill")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 # vLLM 0.34.0's Triton indexer kernels (vllm/models/minimax_m3/common/ops/index_topk.py).
@@ -86,7 +89,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="analyse the ARM/POINT.trace.json.gz under DIR instead of running engines",
     )
     parser.add_argument("--arms", nargs="+", default=list(ARMS), help="indexer backends")
-    parser.add_argument("--points", nargs="+", default=list(POINTS), help="decode, mixed")
+    parser.add_argument("--points", nargs="+", default=list(POINTS), help=", ".join(POINTS))
     parser.add_argument("--steps", type=int, default=8, help="profiled steps (default: 8)")
     parser.add_argument(
         "--skip-steps",
@@ -98,6 +101,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-context", type=int, default=32768)
     parser.add_argument("--mixed-decodes", type=int, default=16)
     parser.add_argument("--mixed-long-context", type=int, default=98304)
+    parser.add_argument("--prefill-context", type=int, default=65536)
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -138,6 +142,7 @@ def check_args(args: argparse.Namespace) -> None:
         "decode_context",
         "mixed_decodes",
         "mixed_long_context",
+        "prefill_context",
         "max_num_batched_tokens",
     ):
         if getattr(args, name) <= 0:
@@ -149,6 +154,15 @@ def check_args(args: argparse.Namespace) -> None:
             f" --max-num-batched-tokens {args.max_num_batched_tokens}: fewer than the"
             f" {args.skip_steps + args.steps} steps profiled, so some would not be mixed"
         )
+    if "prefill" in args.points:
+        prefill_chunks, rest = divmod(args.prefill_context, args.max_num_batched_tokens)
+        if rest or args.steps % prefill_chunks:
+            raise UsageError(
+                f"--prefill-context {args.prefill_context} must be whole chunks of"
+                f" --max-num-batched-tokens {args.max_num_batched_tokens}, and --steps"
+                f" {args.steps} a multiple of their number, so that every chunk position"
+                " of the prompt is profiled equally often"
+            )
     if args.skip_steps < 0:
         raise UsageError("--skip-steps must be 0 or more")
     if not 0 < args.host_bound_below <= 1:
@@ -454,7 +468,8 @@ def run_arm(args: argparse.Namespace, arm: str) -> None:
     install_ranges()
     frame = args.skip_steps + args.steps + 2
     kwargs = engine_kwargs(args.config, arm, args.max_num_batched_tokens)
-    longest = max(args.decode_context, args.mixed_long_context + 2048) + frame
+    longest = max(args.decode_context, args.mixed_long_context + 2048, args.prefill_context)
+    longest += frame
     if kwargs.get("max_model_len", longest) < longest:
         raise UsageError(f"{args.config}: max-model-len is below the {longest} tokens needed")
     llm = LLM(model=str(args.model), **kwargs)
@@ -467,15 +482,16 @@ def run_arm(args: argparse.Namespace, arm: str) -> None:
         def shape(seed: int, steps: int, point: str = point, cached: list = cached):
             return point_run(args, point, cached, vocab, seed, steps)
 
-        llm.generate(cached, SamplingParams(max_tokens=1), use_tqdm=False)
-        if point == "mixed":
+        if cached:
+            llm.generate(cached, SamplingParams(max_tokens=1), use_tqdm=False)
+        if point != "decode":
             # The shape once unprofiled first, so no first-call JIT lands in the trace.
             llm.generate(*shape(4, frame), use_tqdm=False)
         prompts, params = shape(5, frame)
         began = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - began
-        timing = {"unprofiled_step_ms": 1000 * elapsed / _engine_steps(outputs)}
+        timing = {"unprofiled_step_ms": 1000 * elapsed / engine_steps(args, point, outputs)}
         (out / f"{point}.timing.json").write_text(json.dumps(timing) + "\n")
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as profile:
@@ -494,9 +510,11 @@ def run_arm(args: argparse.Namespace, arm: str) -> None:
 
 
 def point_prompts(args: argparse.Namespace, point: str, vocab: int) -> list[dict]:
-    """The prompts a point caches first: its decoding requests."""
+    """The prompts a point caches first: its decoding requests (none for ``prefill``)."""
     if point == "decode":
         return _prompts(args.decode_batch, args.decode_context, vocab, seed=1)
+    if point == "prefill":
+        return []
     return _prompts(args.mixed_decodes, 2048, vocab, seed=2)
 
 
@@ -506,11 +524,16 @@ def point_run(
     """Prompts and sampling parameters of one run of a point lasting ``steps`` steps.
     ``decode``: the cached prompts every time. ``mixed``: the cached decodes beside a new
     long prompt (``seed``) that yields one token, the decodes outlasting its chunks so
-    that every step of the run is mixed."""
+    that every step of the run is mixed. ``prefill``: new prompts (``seed``) of one token
+    each, as many as fill ``steps`` chunk steps."""
     from vllm import SamplingParams
 
     if point == "decode":
         return cached, [SamplingParams(max_tokens=steps, ignore_eos=True)] * len(cached)
+    if point == "prefill":
+        count = -(-steps // (args.prefill_context // args.max_num_batched_tokens))
+        prompts = _prompts(count, args.prefill_context, vocab, seed=seed)
+        return prompts, [SamplingParams(max_tokens=1, ignore_eos=True)] * count
     chunks = args.mixed_long_context // args.max_num_batched_tokens
     decode = SamplingParams(max_tokens=max(steps, chunks + 1), ignore_eos=True)
     prefill = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -518,9 +541,12 @@ def point_run(
     return cached + long_prompt, [decode] * len(cached) + [prefill]
 
 
-def _engine_steps(outputs: list) -> int:
-    """Engine steps of a run whose requests started together: its longest output, since
-    each step gives every running request one token."""
+def engine_steps(args: argparse.Namespace, point: str, outputs: list) -> int:
+    """Engine steps of one run of ``point``. ``prefill``: one a chunk of each prompt.
+    Otherwise the requests started together, and each step gives every running request
+    one token: the longest output."""
+    if point == "prefill":
+        return len(outputs) * (args.prefill_context // args.max_num_batched_tokens)
     return max(len(output.outputs[0].token_ids) for output in outputs)
 
 
@@ -548,6 +574,7 @@ def run_arms(args: argparse.Namespace) -> int:
             "--decode-context", str(args.decode_context),
             "--mixed-decodes", str(args.mixed_decodes),
             "--mixed-long-context", str(args.mixed_long_context),
+            "--prefill-context", str(args.prefill_context),
             "--config", str(args.config),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             *(["--python-profile"] if args.python_profile else []),
@@ -561,11 +588,16 @@ def run_arms(args: argparse.Namespace) -> int:
 
 def setup_line(args: argparse.Namespace) -> str:
     model = args.model if args.model is not None else f"traces in {args.from_traces}"
+    shapes = {
+        "decode": f"{args.decode_batch} x {args.decode_context} tokens (cached prompts)",
+        "mixed": f"{args.mixed_decodes} decodes of 2k + one {args.mixed_long_context}-token"
+        " prefill",
+        "prefill": f"{args.prefill_context}-token prompts alone",
+    }
+    points = "; ".join(f"{point}: {shapes[point]}" for point in args.points)
     return (
-        f"Model: {model}. decode: {args.decode_batch} x {args.decode_context} tokens (cached"
-        f" prompts); mixed: {args.mixed_decodes} decodes of 2k + one {args.mixed_long_context}"
-        f"-token prefill; {args.max_num_batched_tokens} tokens a step at most. {args.steps}"
-        f" steps after {args.skip_steps} skipped; host-bound below"
+        f"Model: {model}. {points}; {args.max_num_batched_tokens} tokens a step at most."
+        f" {args.steps} steps after {args.skip_steps} skipped; host-bound below"
         f" {100 * args.host_bound_below:.0f}% GPU busy."
     )
 

@@ -157,6 +157,27 @@ def test_every_step_of_a_mixed_run_holds_a_prefill_chunk_beside_the_decodes():
     assert prompts is cached and {p.max_tokens for p in params} == {10}
 
 
+def test_a_prefill_run_is_lone_new_prompts_filling_the_steps_asked_for():
+    parsed = argparse.Namespace(prefill_context=32768, max_num_batched_tokens=8192)
+    assert step_profile.point_prompts(parsed, "prefill", vocab=1000) == []
+    # 4 chunks a prompt: 10 steps take 3 prompts (12 steps), each ending with its prefill.
+    prompts, params = step_profile.point_run(parsed, "prefill", [], 1000, seed=3, steps=10)
+    assert [len(p["prompt_token_ids"]) for p in prompts] == [32768] * 3
+    assert len({tuple(p["prompt_token_ids"]) for p in prompts}) == 3
+    assert [p.max_tokens for p in params] == [1, 1, 1]
+    again, _ = step_profile.point_run(parsed, "prefill", [], 1000, seed=4, steps=10)
+    assert not {tuple(p["prompt_token_ids"]) for p in again} & {
+        tuple(p["prompt_token_ids"]) for p in prompts
+    }  # uncached: new prompts each run
+    outputs = [argparse.Namespace(outputs=[argparse.Namespace(token_ids=[7])])] * 3
+    assert step_profile.engine_steps(parsed, "prefill", outputs) == 12
+
+
+def test_engine_steps_of_a_run_that_started_together_is_its_longest_output():
+    outputs = [argparse.Namespace(outputs=[argparse.Namespace(token_ids=[0] * n)]) for n in (5, 9)]
+    assert step_profile.engine_steps(argparse.Namespace(), "mixed", outputs) == 9
+
+
 def test_too_few_steps_is_an_error():
     with pytest.raises(ValueError, match="3 steps"):
         analyze_trace(recorded_trace(), sparse_layers=2, skip_steps=3, host_bound_below=0.9)
@@ -186,7 +207,9 @@ def test_report_from_saved_traces(tmp_path, capsys):
         (["--skip-steps", "-1"], "--skip-steps"),
         (["--arms", "triton", "triton"], "--arms takes distinct values"),
         (["--arms", "cutlass"], "--arms takes distinct values"),
-        (["--points", "prefill"], "--points"),
+        (["--points", "bogus"], "--points"),
+        (["--points", "prefill", "--prefill-context", "60000"], "whole chunks"),
+        (["--points", "prefill", "--steps", "6"], "--steps 6 a multiple"),
         (["--host-bound-below", "1.5"], "--host-bound-below"),
         (["--from-traces", "MODEL"], "--model would not be used"),
         (["--from-traces", "TRACES"], "--sparse-layers"),
