@@ -135,6 +135,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def prompt_chunks(args: argparse.Namespace, context: int) -> int:
+    """The whole chunks of ``--max-num-batched-tokens`` in a ``context``-token prompt: the
+    steps its prefill takes when it runs alone."""
+    return context // args.max_num_batched_tokens
+
+
 def check_args(args: argparse.Namespace) -> None:
     for name in (
         "steps",
@@ -147,7 +153,7 @@ def check_args(args: argparse.Namespace) -> None:
     ):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be positive")
-    chunks = args.mixed_long_context // args.max_num_batched_tokens
+    chunks = prompt_chunks(args, args.mixed_long_context)
     if "mixed" in args.points and chunks < args.skip_steps + args.steps:
         raise UsageError(
             f"--mixed-long-context {args.mixed_long_context} is {chunks} chunks of"
@@ -155,8 +161,8 @@ def check_args(args: argparse.Namespace) -> None:
             f" {args.skip_steps + args.steps} steps profiled, so some would not be mixed"
         )
     if "prefill" in args.points:
-        prefill_chunks, rest = divmod(args.prefill_context, args.max_num_batched_tokens)
-        if rest or args.steps % prefill_chunks:
+        prefill_chunks = prompt_chunks(args, args.prefill_context)
+        if args.prefill_context % args.max_num_batched_tokens or args.steps % prefill_chunks:
             raise UsageError(
                 f"--prefill-context {args.prefill_context} must be whole chunks of"
                 f" --max-num-batched-tokens {args.max_num_batched_tokens}, and --steps"
@@ -531,10 +537,10 @@ def point_run(
     if point == "decode":
         return cached, [SamplingParams(max_tokens=steps, ignore_eos=True)] * len(cached)
     if point == "prefill":
-        count = -(-steps // (args.prefill_context // args.max_num_batched_tokens))
+        count = -(-steps // prompt_chunks(args, args.prefill_context))
         prompts = _prompts(count, args.prefill_context, vocab, seed=seed)
         return prompts, [SamplingParams(max_tokens=1, ignore_eos=True)] * count
-    chunks = args.mixed_long_context // args.max_num_batched_tokens
+    chunks = prompt_chunks(args, args.mixed_long_context)
     decode = SamplingParams(max_tokens=max(steps, chunks + 1), ignore_eos=True)
     prefill = SamplingParams(max_tokens=1, ignore_eos=True)
     long_prompt = _prompts(1, args.mixed_long_context, vocab, seed=seed)
@@ -546,7 +552,7 @@ def engine_steps(args: argparse.Namespace, point: str, outputs: list) -> int:
     Otherwise the requests started together, and each step gives every running request
     one token: the longest output."""
     if point == "prefill":
-        return len(outputs) * (args.prefill_context // args.max_num_batched_tokens)
+        return len(outputs) * prompt_chunks(args, args.prefill_context)
     return max(len(output.outputs[0].token_ids) for output in outputs)
 
 
