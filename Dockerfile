@@ -1,5 +1,5 @@
 # vLLM's official OpenAI-compatible server image with the MiniMax M3 FlashInfer
-# indexer series applied. Build and run (see README, "Deploy"):
+# indexer series applied. Build and run (README.md, "Install"; docs/deploy.md):
 #   docker build -t vllm-minimax:0.34.0 .
 #   docker build --build-arg VLLM_IMAGE_TAG=v0.33.0 -t vllm-minimax:0.33.0 .
 #   docker run --gpus all --ipc=host -p 8000:8000 vllm-minimax:0.34.0 \

@@ -23,6 +23,7 @@ from vllm_minimax.patchset import (
     format_status,
     revert_series,
     series_state,
+    supported_versions,
 )
 
 PROGRAM = "vllm-minimax"
@@ -54,7 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROGRAM,
         description="FlashInfer's MSA indexer for MiniMax M3, as a patch series over vLLM.",
     )
-    parser.add_argument("--version", action="version", version=f"{PROGRAM} {__version__}")
+    series = ", ".join(supported_versions()) or "none"
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"{PROGRAM} {__version__} (patch series for vLLM {series})",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     target_help = (

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from patchset_helpers import REPO_ROOT
 
-from vllm_minimax import cli
+from vllm_minimax import __version__, cli
 from vllm_minimax.cli import main
 
 
@@ -45,7 +45,17 @@ def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0
-    assert capsys.readouterr().out.startswith("vllm-minimax ")
+    shipped = sorted(
+        (
+            series.parent.name.removeprefix("vllm-")
+            for series in REPO_ROOT.glob("patches/vllm-*/series")
+        ),
+        key=lambda version: tuple(int(part) for part in version.split(".")),
+    )
+    assert len(shipped) >= 2
+    assert capsys.readouterr().out == (
+        f"vllm-minimax {__version__} (patch series for vLLM {', '.join(shipped)})\n"
+    )
 
 
 @pytest.mark.parametrize(
