@@ -202,6 +202,55 @@ def test_unusable_out_is_refused(tmp_path, capsys, out, message):
     assert (tmp_path / "file").read_text() == "x"
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--startup-timeout", "nan"),
+        ("--startup-timeout", "-1"),
+        ("--startup-timeout", "inf"),
+        ("--z", "nan"),
+        ("--z", "0"),
+        ("--z", "inf"),
+    ],
+)
+def test_a_bound_that_is_not_a_positive_number_is_refused_before_any_server(
+    tmp_path, capsys, option, value
+):
+    argv = ["eval", "ab", "--model", "m", "--throughput-preset", "none", option, value]
+    code = main([*argv, "--server-command", "false", "--out", str(tmp_path / "o")])
+    assert code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert f"{option} must be positive and finite, got {float(value)}" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_ab_whose_tokenizer_cannot_load_creates_no_out(tmp_path, capsys):
+    argv = ["eval", "ab", "--model", str(tmp_path / "no-such-model"), "--no-accuracy"]
+    code = main([*argv, "--throughput-preset", "cpu-tiny", "--client", "own",
+                 "--out", str(tmp_path / "o")])  # fmt: skip
+    assert code == 2
+    assert "cannot load tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_failed_json_write_names_its_file_and_leaves_no_scratch(tmp_path, monkeypatch):
+    from vllm_minimax.evals import common
+
+    target = tmp_path / "out" / "ab.json"
+    target.parent.mkdir()
+    target.write_text('{"kept": true}\n')
+
+    def disk_full(self, *args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "replace", disk_full)
+    with pytest.raises(OSError) as raised:
+        common.write_json(target, {"new": 1})
+    assert (raised.value.errno, raised.value.filename) == (28, str(target))
+    assert sorted(path.name for path in target.parent.iterdir()) == ["ab.json"]
+    assert json.loads(target.read_text()) == {"kept": True}
+
+
 def test_unbalanced_server_command_is_refused(tmp_path, capsys):
     argv = ["eval", "ab", "--model", "m", "--no-accuracy", "--throughput-preset", "none"]
     code = main([*argv, "--server-command", 'vllm "serve', "--out", str(tmp_path / "o")])

@@ -170,7 +170,6 @@ def run_ab(
     ):
         require_bench()
     check_presets_fit(arms, config, accuracy_presets, throughput_preset)
-    out_dir.mkdir(parents=True, exist_ok=True)
     ab: dict[str, Any] = {
         "model": launch.model,
         "config": str(config_path) if config_path else None,
@@ -199,6 +198,7 @@ def run_ab(
     if throughput_preset is not None:
         progress(f"loading the tokenizer {tokenizer or launch.model} for the random prompts")
         vocabulary = Vocabulary.from_tokenizer(tokenizer or launch.model)
+    out_dir.mkdir(parents=True, exist_ok=True)
     write_outputs(ab, out_dir)
     current, current_arm = "", ""
     try:

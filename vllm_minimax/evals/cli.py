@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -235,7 +236,8 @@ def eval_command(handler: Callable[[argparse.Namespace], int]) -> Callable[..., 
         try:
             return handler(args)
         except OSError as error:
-            raise EvalError(f"{error.strerror or error}: {error.filename or ''}".strip()) from None
+            where = f": {error.filename}" if error.filename else ""
+            raise EvalError(f"{error.strerror or error}{where}") from None
 
     return run
 
@@ -258,8 +260,8 @@ def prepare_out_dir(path: Path) -> None:
 
 
 def check_positive(value: float | None, option: str) -> None:
-    if value is not None and not value > 0:
-        raise EvalError(f"{option} must be positive, got {value}")
+    if value is not None and not 0 < value < math.inf:
+        raise EvalError(f"{option} must be positive and finite, got {value}")
 
 
 def timeouts_from(args: argparse.Namespace) -> RequestTimeouts:
@@ -278,6 +280,7 @@ def run_eval_accuracy(args: argparse.Namespace) -> int:
     from vllm_minimax.evals import accuracy, report
 
     check_positive(args.request_timeout, "--request-timeout")
+    check_positive(args.z, "--z")
     if args.limit is not None and args.limit < 1:
         raise EvalError(f"--limit must be 1 or more, got {args.limit}")
     preset = presets.load_accuracy_preset(args.preset)
@@ -338,6 +341,8 @@ def run_eval_ab(args: argparse.Namespace) -> int:
 
     check_repeat(args.repeat)
     timeouts = timeouts_from(args)
+    check_positive(args.z, "--z")
+    check_positive(args.startup_timeout, "--startup-timeout")
     split_command(args.server_command)
     arms = [ab.parse_arm(text) for text in args.arm] if args.arm else ab.default_arms()
     env = {}
