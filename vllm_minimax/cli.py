@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -15,6 +16,7 @@ from typing import Any
 from vllm_minimax import __version__
 from vllm_minimax.evals.cli import add_eval_parsers
 from vllm_minimax.evals.common import EvalError
+from vllm_minimax.evals.server import raise_on_sigterm
 from vllm_minimax.patchset import (
     Interrupted,
     PatchError,
@@ -417,11 +419,20 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def check_model_directory(directory: Path, force: bool) -> None:
-    """Refuse a DIR that is a file, a link, or a non-empty directory (unless ``force``)."""
+    """Refuse a DIR that is a file, a link, a mount point, a non-empty directory (unless
+    ``force``), or under a file."""
     if directory.is_symlink():
         raise PatchError(f"{directory} is a symbolic link; pass a real directory")
+    for ancestor in directory.absolute().parents:
+        if ancestor.exists() and not ancestor.is_dir():
+            raise PatchError(f"{ancestor} is not a directory, so {directory} cannot be made there")
     if not directory.exists():
         return
+    if directory.is_dir() and os.path.ismount(directory):
+        raise PatchError(
+            f"{directory} is a mount point, which cannot be replaced whole (the model is written"
+            " beside it, then renamed into place); pass a directory inside it"
+        )
     if not directory.is_dir():
         raise PatchError(f"{directory} exists and is not a directory; pick another DIR")
     if any(directory.iterdir()) and not force:
@@ -432,16 +443,32 @@ def check_model_directory(directory: Path, force: bool) -> None:
 
 def write_directory_whole(directory: Path, write: Callable[[Path], Any]) -> Any:
     """Run ``write`` on a fresh directory beside ``directory``, then move it into place, so a
-    failure leaves ``directory`` as it was (absent, empty, or the old contents)."""
+    failure leaves ``directory`` as it was (absent, empty, or the old contents).
+
+    A writer's I/O failure reported as a Rust ``os error N`` (safetensors, tokenizers) is
+    raised as that OSError, naming ``directory``."""
     parent = directory.absolute().parent
     created_parents = [p for p in [parent, *parent.parents] if not p.exists()]
     parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(
-        tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".vllm-minimax-tmp", dir=parent)
-    )
-    old = None
     try:
-        result = write(staging)
+        staging = Path(
+            tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".vllm-minimax-tmp", dir=parent)
+        )
+    except OSError as error:
+        raise OSError(error.errno, error.strerror, str(parent)) from error
+    old = None
+    raise_on_sigterm()  # so that a killed run removes its staging directory too
+    try:
+        try:
+            result = write(staging)
+        except OSError:
+            raise
+        except Exception as error:
+            code = re.search(r"\(os error (\d+)\)", str(error))
+            if code is None:
+                raise
+            number = int(code.group(1))
+            raise OSError(number, os.strerror(number), str(directory)) from error
         os.chmod(staging, 0o755)
         if directory.exists() and any(directory.iterdir()):
             old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old.", dir=parent))

@@ -256,7 +256,9 @@ def read_vllm_version(root: Path) -> str:
     """Read vLLM's version from text files under ``root`` (vLLM is never imported)."""
     version_file = root / "vllm" / "_version.py"
     if version_file.is_file():
-        match = _VERSION_ASSIGNMENT.search(version_file.read_text(encoding="utf-8"))
+        match = _VERSION_ASSIGNMENT.search(
+            version_file.read_text(encoding="utf-8", errors="replace")
+        )
         if match:
             return match.group(1)
     metadata_files = [*sorted(root.glob("vllm-*.dist-info/METADATA")), root / "PKG-INFO"]
@@ -780,7 +782,11 @@ def write_temporary(path: Path, content: bytes, mode: int) -> Path:
         try:
             view = memoryview(content)
             while view:
-                view = view[os.write(descriptor, view) :]
+                try:
+                    written = os.write(descriptor, view)
+                except OSError as error:
+                    raise OSError(error.errno, error.strerror, str(path)) from error
+                view = view[written:]
             os.fchmod(descriptor, mode)
             if os.geteuid() == 0:
                 try:

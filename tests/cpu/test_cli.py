@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import types
@@ -176,6 +177,60 @@ def test_make_tiny_model_failure_leaves_the_directory_as_it_was(
     assert f"to {existing}" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
     assert (existing / "config.json").read_text() == "new"
+
+
+def test_make_tiny_model_reports_a_rust_writers_full_disk_as_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """safetensors and tokenizers raise their own exceptions for an I/O error, with the OS
+    error number only in the text."""
+    from vllm_minimax import tiny_model
+
+    def full_disk(directory: Path, *_: object) -> dict[str, object]:
+        (directory / "config.json").write_text("partial")
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(tiny_model, "make_rank_model", full_disk)
+    directory = tmp_path / "rank"
+    assert main(["make-tiny-model", str(directory), "--geometry", "m3-tp8-rank"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"vllm-minimax: error: no space left on the device of {directory.absolute()}:"
+        " free some space there and retry"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_make_tiny_model_refuses_a_mount_point_and_a_path_under_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    real_ismount = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda path: path == volume or real_ismount(path))
+    assert main(["make-tiny-model", str(volume)]) == 2
+    err = capsys.readouterr().err
+    assert f"{volume} is a mount point" in err and "a directory inside it" in err
+    assert list(volume.iterdir()) == []
+    (tmp_path / "keep").write_text("x")
+    assert main(["make-tiny-model", str(tmp_path / "keep" / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'keep'} is not a directory" in err
+    assert (tmp_path / "keep").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep", "volume"]
+
+
+def test_make_tiny_model_names_the_parent_it_cannot_write_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def read_only(prefix: str, suffix: str, dir: Path) -> str:
+        raise PermissionError(13, "Permission denied", str(Path(dir) / f"{prefix}x{suffix}"))
+
+    monkeypatch.setattr("tempfile.mkdtemp", read_only)
+    assert main(["make-tiny-model", str(tmp_path / "tiny")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"vllm-minimax: error: permission denied: {tmp_path}: ")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

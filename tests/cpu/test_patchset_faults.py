@@ -642,6 +642,39 @@ def test_no_space_when_inodes_remain(monkeypatch: pytest.MonkeyPatch) -> None:
     assert message.startswith("no space left on the device of /t/x: free some space")
 
 
+def test_a_write_that_fills_the_disk_names_the_file_it_was_for(
+    scene: Scene, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """os.write's OSError carries no file name; the message names the file being written."""
+    real_write = os.write
+
+    def full_disk(descriptor: int, data: Any) -> int:
+        if len(data) and os.fstat(descriptor).st_size == 0 and not os.isatty(descriptor):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(descriptor, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+    assert main(["apply", "--target", str(scene.target)]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "(unknown path)" not in line
+    assert line.startswith(f"vllm-minimax: error: no space left on the device of {scene.target}/")
+    assert "nothing was changed" in line
+    assert scene.manifest() == scene.pristine
+
+
+def test_a_version_file_with_a_stray_byte_still_gives_the_version(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "_version.py").write_bytes(b"# \xff\n__version__ = '9.9.9'\n")
+    assert main(["apply", "--target", str(tmp_path)]) == 2
+    assert "no patch series for vLLM 9.9.9" in one_line(capsys.readouterr().err)
+    assert main(["status", "--target", str(tmp_path)]) == 2
+    shown = capsys.readouterr()
+    assert "problem: no patch series for vLLM 9.9.9" in shown.out and not shown.err
+    assert sorted(p.name for p in (tmp_path / "vllm").iterdir()) == ["_version.py"]
+
+
 def test_stale_staging_dir_of_a_dead_run_is_removed(
     scene: Scene, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
