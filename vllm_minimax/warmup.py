@@ -105,7 +105,8 @@ def read_serve_config(config: Path, model: str):
 def run(args: argparse.Namespace) -> int:
     location = cache_location(args.cache_dir)
     if not args.config.is_file():
-        raise WarmupError(f"serving config {args.config} does not exist")
+        what = "is not a file" if args.config.exists() else "does not exist"
+        raise WarmupError(f"serving config {args.config} {what}")
     check_writable(location)
     # FlashInfer reads the variable once, at import.
     os.environ[WORKSPACE_ENV] = str(location.workspace_base)

@@ -29,6 +29,14 @@ def test_missing_config_exits_2(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_config_that_is_a_directory_is_named_as_one(tmp_path, capsys):
+    (tmp_path / "configs").mkdir()
+    rc, err = _run(capsys, "--config", str(tmp_path / "configs"), "--cache-dir", str(tmp_path))
+    assert rc == 2
+    assert f"serving config {tmp_path / 'configs'} is not a file" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["configs"]
+
+
 def test_cache_dir_under_a_file_exits_2_naming_it(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("")
