@@ -223,37 +223,38 @@ def summarise(
     )
 
 
-def read_source(source: Path) -> tuple[list[tuple[str, dict[str, Any]]], list[GpuSample]]:
-    """(relative name, parsed JSON) of every bench result in a directory or a tar.gz, and
-    the GPU samples of its ``telemetry.csv`` (none when it has none)."""
-    benches: list[tuple[str, dict[str, Any]]] = []
+def read_source(source: Path) -> tuple[list[tuple[re.Match, dict[str, Any]]], list[GpuSample]]:
+    """(BENCH_NAME's match of its relative name, parsed JSON) of every bench result in a
+    directory or a tar.gz, and the GPU samples of its ``telemetry.csv`` (none when it has
+    none)."""
+    benches: list[tuple[re.Match, dict[str, Any]]] = []
     if source.is_dir():
         for path in sorted(source.glob("*/round-*/bench/*.json")):
-            benches.append((path.relative_to(source).as_posix(), json.loads(path.read_text())))
+            match = BENCH_NAME.match(path.relative_to(source).as_posix())
+            if match is not None:
+                benches.append((match, json.loads(path.read_text())))
         telemetry = source / TELEMETRY_NAME
         return benches, parse_telemetry(telemetry.read_text() if telemetry.is_file() else "")
     text = ""
     with tarfile.open(source, "r:gz") as archive:
         for member in sorted(archive.getmembers(), key=lambda member: member.name):
             name = member.name.removeprefix("./")
-            if not member.isfile() or not (BENCH_NAME.match(name) or name == TELEMETRY_NAME):
+            match = BENCH_NAME.match(name)
+            if not member.isfile() or not (match or name == TELEMETRY_NAME):
                 continue
             handle = archive.extractfile(member)
             assert handle is not None
-            if name == TELEMETRY_NAME:
+            if match is None:
                 text = handle.read().decode("utf-8")
             else:
-                benches.append((name, json.load(io.TextIOWrapper(handle, encoding="utf-8"))))
+                benches.append((match, json.load(io.TextIOWrapper(handle, encoding="utf-8"))))
     return benches, parse_telemetry(text)
 
 
 def summaries(source: Path) -> list[StepSummary]:
     found: list[StepSummary] = []
     benches, samples = read_source(source)
-    for name, bench in benches:
-        match = BENCH_NAME.match(name)
-        if match is None:
-            continue
+    for match, bench in benches:
         summary = summarise(
             bench,
             arm=match["arm"],
@@ -270,7 +271,7 @@ def summaries(source: Path) -> list[StepSummary]:
     return found
 
 
-def _ms(value: float | None) -> str:
+def _one_decimal(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
@@ -279,8 +280,8 @@ def _gpu_cells(state: GpuState | None) -> str:
         return " - | - | - | - |"
     load = "-" if state.load_max is None else f"{state.load_max:.1f}"
     return (
-        f" {_ms(state.sm_mhz_p50)} [{_ms(state.sm_mhz_min)}] |"
-        f" {_ms(state.power_w_p50)} [{_ms(state.power_w_max)}] |"
+        f" {_one_decimal(state.sm_mhz_p50)} [{_one_decimal(state.sm_mhz_min)}] |"
+        f" {_one_decimal(state.power_w_p50)} [{_one_decimal(state.power_w_max)}] |"
         f" {' + '.join(state.events) or 'none'} | {load} |"
     )
 
@@ -308,8 +309,9 @@ def render(sources: Sequence[Path], found: Sequence[Sequence[StepSummary]]) -> s
         for row in order:
             line = (
                 f"| {label} | {row.scenario} | {row.concurrency} | {row.arm} | {row.steps} | "
-                f"{row.step_p50_ms:.2f} | {row.long_steps} | {_ms(row.long_step_p50_ms)} | "
-                f"{_ms(row.long_step_max_ms)} | {row.long_step_total_s:.2f} |"
+                f"{row.step_p50_ms:.2f} | {row.long_steps} |"
+                f" {_one_decimal(row.long_step_p50_ms)} |"
+                f" {_one_decimal(row.long_step_max_ms)} | {row.long_step_total_s:.2f} |"
             )
             lines.append(line + (_gpu_cells(row.gpu) if with_gpu else ""))
     return "\n".join(lines) + "\n"

@@ -78,8 +78,10 @@ class Vocabulary:
     def from_tokenizer(cls, name_or_path: str) -> Vocabulary:
         from transformers import AutoTokenizer
 
-        local = Path(name_or_path).expanduser()
-        if name_or_path.startswith(("/", "./", "../", "~")) and not local.exists():
+        if (
+            name_or_path.startswith(("/", "./", "../", "~"))
+            and not Path(name_or_path).expanduser().exists()
+        ):
             raise EvalError(f"cannot load tokenizer {name_or_path!r}: no such directory")
         try:
             tokenizer = AutoTokenizer.from_pretrained(name_or_path)
