@@ -98,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="GPU compute capability to check for, MAJOR.MINOR of a known GPU (e.g. 9.0, 12.1)",
     )
     doctor_parser.add_argument(
-        "--indexer-kv-dtype", choices=["bf16", "fp8", "nvfp4"], help="indexer KV cache dtype"
+        "--indexer-kv-dtype",
+        choices=["bf16", "fp8", "fp8_e4m3", "nvfp4"],
+        help="indexer KV cache dtype, as attention-config's indexer_kv_dtype spells it",
     )
     doctor_parser.add_argument(
         "--topk-blocks",

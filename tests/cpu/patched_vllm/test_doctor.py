@@ -32,6 +32,7 @@ def doctor(capsys, patched_vllm_root):
     ("capability", "dtype", "impl", "fragment"),
     [
         ("9.0", "fp8", "MiniMaxM3IndexerFlashInferImpl", "selected FlashInfer"),
+        ("9.0", "fp8_e4m3", "MiniMaxM3IndexerFlashInferImpl", "selected FlashInfer"),
         ("9.0", "bf16", "MiniMaxM3IndexerTritonImpl", "SM90 FlashInfer prefill needs fp8"),
         ("12.0", "bf16", "MiniMaxM3IndexerFlashInferImpl", "selected FlashInfer"),
         ("10.0", "fp8", "MiniMaxM3IndexerMSAImpl", "selected MSA"),

@@ -101,19 +101,21 @@ class _Recorder:
             scores, 16, output, num_valid_pages=nvp, force_end_blocks=min(1, tiles)
         )
 
-    def proxy(self, num_heads: int, call: warmup.ProxyScoreCall) -> None:
+    def proxy(self, num_heads: int, call: warmup.ProxyScoreCall, kv_fp8: bool = True) -> None:
+        """One proxy-score call, with q and the index cache in the dtype the warm-up's own
+        call gives them for ``kv_fp8``."""
         total_q, batch = sum(call.query_lens), len(call.query_lens)
-        fp8 = torch.float8_e4m3fn
+        dtype = torch.float8_e4m3fn if kv_fp8 else torch.bfloat16
         _sm90_dispatch.proxy_score_sm90(
-            torch.empty((total_q, num_heads, HEAD_DIM), dtype=fp8, device=META),
-            torch.empty((call.num_pages, 1, 128, HEAD_DIM), dtype=fp8, device=META),
+            torch.empty((total_q, num_heads, HEAD_DIM), dtype=dtype, device=META),
+            torch.empty((call.num_pages, 1, 128, HEAD_DIM), dtype=dtype, device=META),
             torch.empty((batch + 1,), dtype=torch.int32, device=META),
             torch.empty((batch, call.max_k_tiles), dtype=torch.int32, device=META),
             torch.empty((batch,), dtype=torch.int32, device=META),
             torch.empty((num_heads, call.max_k_tiles, total_q), device=META),
             max_seqlen_q=max(call.query_lens),
             batch_size=batch,
-            kv_fp8=True,
+            kv_fp8=kv_fp8,
         )
 
     def warmup_calls(self, geometry: warmup.IndexerFlashInferGeometry) -> set[str]:
@@ -216,6 +218,62 @@ def test_geometry_follows_the_engine_config():
         ).max_query_len
         == 1
     )
+
+
+def _engine_config(indexer_kv_dtype: str) -> SimpleNamespace:
+    """A TP-8 MiniMax M3 engine's config, as far as the warm-up reads it."""
+    from vllm.config import AttentionConfig
+
+    index_config = SimpleNamespace(
+        index_n_heads=4, index_topk_blocks=16, index_head_dim=HEAD_DIM, index_block_size=128
+    )
+    # vLLM 0.33.0's MiniMax M3 config keeps the same fields in a dict.
+    index_config.sparse_attention_config = {
+        "sparse_num_index_heads": 4,
+        "sparse_topk_blocks": 16,
+        "sparse_index_dim": HEAD_DIM,
+        "sparse_block_size": 128,
+    }
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=index_config, max_model_len=4096),
+        parallel_config=SimpleNamespace(tensor_parallel_size=8),
+        attention_config=AttentionConfig(indexer_kv_dtype=indexer_kv_dtype),
+        speculative_config=SimpleNamespace(num_speculative_tokens=2),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=2048),
+    )
+
+
+@pytest.mark.parametrize("spelling", ["fp8", "fp8_e4m3"])
+def test_either_fp8_spelling_warms_the_fp8_programs(spelling, monkeypatch):
+    """vLLM's index cache is fp8 e4m3 under both spellings, and the SM90 gate lets
+    both through. An engine's registration and the `vllm-minimax warmup` geometry must
+    then plan fp8 programs: FlashInfer's SM90 dispatch refuses a bf16 prefill-regime
+    proxy score, which would fail the engine's start."""
+    import vllm.utils.flashinfer as fi_utils
+    from vllm.models.minimax_m3.nvidia import indexer_flashinfer
+
+    from vllm_minimax.probe import platform_override, simulated_cuda_platform
+
+    config = _engine_config(spelling)
+    monkeypatch.setattr(warmup, "current_device_facts", lambda: ("sm90", H200_SMS))
+    monkeypatch.setattr(fi_utils, "flashinfer_msa_indexer_unavailable", lambda: None)
+    with platform_override(simulated_cuda_platform((9, 0))):
+        cli_geometry, reason = warmup.engine_indexer_flashinfer_geometry(config)
+    assert reason is None
+    registered: list[dict] = []
+    monkeypatch.setattr(warmup._JIT, "register_warmup", lambda **fields: registered.append(fields))
+    impl = object.__new__(indexer_flashinfer.MiniMaxM3IndexerFlashInferImpl)
+    impl.num_index_heads, impl.indexer_kv_dtype = 1, spelling
+    warmup.register_indexer_flashinfer_warmup(impl, config)
+    engine_geometry = warmup.IndexerFlashInferGeometry(**registered[0])
+
+    assert cli_geometry == engine_geometry
+    recorder = _Recorder(monkeypatch)
+    calls = warmup.proxy_score_calls(engine_geometry)
+    assert any(max(program.call.query_lens) > 4 for program in calls)  # a prefill regime
+    for program in calls:
+        recorder.proxy(1, program.call, kv_fp8=engine_geometry.kv_fp8)
+    assert engine_geometry.kv_fp8
 
 
 def test_program_list_is_kept_beside_the_jit_cache(tmp_path, monkeypatch):
