@@ -76,8 +76,13 @@ BATCHES = {
     "mtp-2": ([2500, 129, 6000], [2, 2, 2]),
     "mtp-4": ([2500, 129, 6000, 70], [4, 4, 4, 4]),
     "ragged-mid-page": ([0, 255, 1000], [129, 2, 383]),
+    # MTP with 2 speculative tokens (the serving configs'): decodes of 3 tokens beside a
+    # chunk on cached context, the decode side's 15 rows not a multiple of 4.
+    "mtp-3-beside-chunk": ([2500, 129, 6000, 70, 300, 7000], [3, 3, 3, 3, 3, 2000]),
+    # Decodes of unequal length: only the leading run of equal ones is the decode side.
+    "mtp-3-uneven": ([4000, 900, 128, 1500], [3, 3, 2, 2]),
 }
-DECODE_THRESHOLD = {"mtp-2": 2, "mtp-4": 4}
+DECODE_THRESHOLD = {"mtp-2": 2, "mtp-4": 4, "mtp-3-beside-chunk": 3, "mtp-3-uneven": 3}
 
 
 def expected_split(batch: Batch, threshold: int) -> tuple[int, int, int, int]:
@@ -184,7 +189,12 @@ def check_calls(md, batch, split) -> None:
         assert call.cu_seqlens_q.tolist() == [0, *torch.tensor(query_lens).cumsum(0).tolist()]
         assert call.seqused_k.tolist() == batch.seq_lens[first:last]
         assert torch.equal(call.page_table, batch.metadata.block_table_tensor[first:last])
-        assert call.max_seqlen_q == max(query_lens)
+        if is_prefill and num_decodes:
+            # The step's longest query: a bound on this side's own, equal to it unless the
+            # decodes are longer than every prefill (mtp-3-uneven).
+            assert call.max_seqlen_q == max(batch.query_lens)
+        else:
+            assert call.max_seqlen_q == max(query_lens)
         assert call.num_valid_pages.tolist() == [
             p // PAGE + 1 for p in batch.positions[token_start:token_end]
         ]
@@ -350,6 +360,8 @@ CASES = [
     ("mtp-2", 4, "fp8", 0, 1),
     ("mtp-4", 1, "bf16", 0, 1),
     ("ragged-mid-page", 2, "fp8", 1, 0),
+    ("mtp-3-beside-chunk", 1, "fp8", 0, 1),
+    ("mtp-3-uneven", 2, "fp8", 0, 1),
 ]
 
 
