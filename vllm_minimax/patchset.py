@@ -1304,7 +1304,12 @@ def format_status(status: SeriesState) -> str:
         f"series:       {status.series_dir if status.series_dir else 'none for this version'}",
     ]
     if status.applied:
-        verdict = "applied" if status.clean else "applied, but files changed since"
+        if status.clean:
+            verdict = "applied"
+        elif any(state != "as-applied" for _, state in status.files):
+            verdict = "applied, but files changed since"
+        else:
+            verdict = "applied, but not the current series"
         lines.append(f"state:        {verdict} ({status.recorded_series})")
     else:
         lines.append("state:        not applied")

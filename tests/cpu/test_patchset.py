@@ -443,6 +443,9 @@ def test_changed_series_revision_asks_for_revert(
     code, out, _ = run_cli(capsys, "status", "--target", str(series.target))
     assert code == 2
     assert "has changed since it was applied" in out
+    # The files are as that revision left them: the verdict names the series, not the files.
+    assert "state:        applied, but not the current series" in out
+    assert "files changed since" not in out
 
 
 def test_series_outside_vllm_package_is_rejected(
