@@ -15,8 +15,11 @@ The two key sets must be equal.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import gc
 import inspect
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -202,3 +205,77 @@ def test_registration_follows_enable_jit_warmup(jit_warmup, monkeypatch):
     assert len(registry) == (1 if jit_warmup else 0)
     registry.warmup()
     assert compiled == ([_geometry(experts, w1, w2)] if jit_warmup else [])
+
+
+@pytest.fixture
+def engine(monkeypatch):
+    """A JIT warm-up registry with the module's layer table emptied, the launches of each
+    warm-up recorded as the (experts, w1, w2) they ran on."""
+    monkeypatch.setattr(warmup._JIT, "_layers", {})
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda: None)
+    config = SimpleNamespace(
+        kernel_config=SimpleNamespace(enable_jit_warmup=True),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=64),
+    )
+    monkeypatch.setattr(warmup, "get_current_vllm_config", lambda: config)
+    monkeypatch.setattr(fused_moe, "get_device_name_as_file_name", lambda: "NVIDIA_H200")
+    launches: list[tuple] = []
+    monkeypatch.setattr(
+        warmup, "run_moe_launch", lambda experts, w1, w2, m: launches.append((experts, w1, w2))
+    )
+    return SimpleNamespace(registry=JitWarmupRegistry(vllm_config=None), launches=launches)
+
+
+def _register(engine, experts, w1, w2) -> None:
+    with engine.registry.activate():
+        warmup.register_triton_moe_warmup(
+            _layer(experts, w1, w2), SimpleNamespace(fused_experts=experts)
+        )
+
+
+def test_weights_moved_off_their_device_after_registration_are_not_launched_on(engine):
+    """CPU offload without UVA: vLLM moves offloaded weights to the GPU for
+    process_weights_after_loading (where the layer registers) and rebinds the same
+    parameters to host copies afterwards. The warm-up must not launch on those."""
+    experts = _experts(*GEOMETRIES["tiny"])
+    w1, w2 = _weights(4, 256, 256)
+    _register(engine, experts, w1, w2)
+    # This host has no GPU: the record says the weights were on one when the layer
+    # registered, as inside vLLM's device_loading_context; they are on the host now.
+    [(geometry, held)] = warmup._JIT._layers.items()
+    assert held.device == w1.device
+    warmup._JIT._layers[geometry] = dataclasses.replace(held, device=torch.device("cuda", 0))
+    engine.registry.warmup()
+    assert engine.launches == []
+
+
+def test_a_lora_context_set_after_registration_skips_the_layer(engine):
+    experts = _experts(*GEOMETRIES["tiny"])
+    w1, w2 = _weights(4, 256, 256)
+    _register(engine, experts, w1, w2)
+    experts.set_lora_context(SimpleNamespace())
+    engine.registry.warmup()
+    assert engine.launches == []
+
+
+def test_the_warmup_lets_go_of_the_layer_and_a_later_engine_warms_its_own(engine):
+    first = _experts(*GEOMETRIES["tiny"])
+    first_w1, first_w2 = _weights(4, 256, 256)
+    _register(engine, first, first_w1, first_w2)
+    engine.registry.warmup()
+    assert engine.launches and all(launch[0] is first for launch in engine.launches)
+    released = weakref.ref(first_w1)
+    engine.launches.clear()
+    del first, first_w1, first_w2
+    gc.collect()
+    assert released() is None, "the warm-up kept a released engine's weights alive"
+
+    second = _experts(*GEOMETRIES["tiny"])
+    w1, w2 = _weights(4, 256, 256)
+    engine.registry = JitWarmupRegistry(vllm_config=None)
+    _register(engine, second, w1, w2)
+    engine.registry.warmup()
+    assert engine.launches
+    assert all(
+        launch[0] is second and launch[1] is w1 and launch[2] is w2 for launch in engine.launches
+    )
