@@ -226,20 +226,22 @@ def engine(monkeypatch):
     return SimpleNamespace(registry=JitWarmupRegistry(vllm_config=None), launches=launches)
 
 
-def _register(engine, experts, w1, w2) -> None:
+def _register_tiny_layer(engine) -> tuple[TritonExperts, torch.Tensor, torch.Tensor]:
+    """A new layer of the tiny model's geometry, registered in ``engine``'s registry."""
+    experts = _experts(*GEOMETRIES["tiny"])
+    w1, w2 = _weights(4, 256, 256)
     with engine.registry.activate():
         warmup.register_triton_moe_warmup(
             _layer(experts, w1, w2), SimpleNamespace(fused_experts=experts)
         )
+    return experts, w1, w2
 
 
 def test_weights_moved_off_their_device_after_registration_are_not_launched_on(engine):
     """CPU offload without UVA: vLLM moves offloaded weights to the GPU for
     process_weights_after_loading (where the layer registers) and rebinds the same
     parameters to host copies afterwards. The warm-up must not launch on those."""
-    experts = _experts(*GEOMETRIES["tiny"])
-    w1, w2 = _weights(4, 256, 256)
-    _register(engine, experts, w1, w2)
+    _, w1, _ = _register_tiny_layer(engine)
     # This host has no GPU: the record says the weights were on one when the layer
     # registered, as inside vLLM's device_loading_context; they are on the host now.
     [(geometry, held)] = warmup._JIT._layers.items()
@@ -250,18 +252,14 @@ def test_weights_moved_off_their_device_after_registration_are_not_launched_on(e
 
 
 def test_a_lora_context_set_after_registration_skips_the_layer(engine):
-    experts = _experts(*GEOMETRIES["tiny"])
-    w1, w2 = _weights(4, 256, 256)
-    _register(engine, experts, w1, w2)
+    experts, _, _ = _register_tiny_layer(engine)
     experts.set_lora_context(SimpleNamespace())
     engine.registry.warmup()
     assert engine.launches == []
 
 
 def test_the_warmup_lets_go_of_the_layer_and_a_later_engine_warms_its_own(engine):
-    first = _experts(*GEOMETRIES["tiny"])
-    first_w1, first_w2 = _weights(4, 256, 256)
-    _register(engine, first, first_w1, first_w2)
+    first, first_w1, first_w2 = _register_tiny_layer(engine)
     engine.registry.warmup()
     assert engine.launches and all(launch[0] is first for launch in engine.launches)
     released = weakref.ref(first_w1)
@@ -270,10 +268,8 @@ def test_the_warmup_lets_go_of_the_layer_and_a_later_engine_warms_its_own(engine
     gc.collect()
     assert released() is None, "the warm-up kept a released engine's weights alive"
 
-    second = _experts(*GEOMETRIES["tiny"])
-    w1, w2 = _weights(4, 256, 256)
     engine.registry = JitWarmupRegistry(vllm_config=None)
-    _register(engine, second, w1, w2)
+    second, w1, w2 = _register_tiny_layer(engine)
     engine.registry.warmup()
     assert engine.launches
     assert all(
