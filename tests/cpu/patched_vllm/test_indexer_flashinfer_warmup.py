@@ -29,6 +29,8 @@ from flashinfer.msa_ops.cute_dsl import (
 )
 from vllm.models.minimax_m3.nvidia import indexer_flashinfer_warmup as warmup
 
+from vllm_minimax.testing.patched_module import indexer_text_config
+
 H200_SMS = 132
 META = torch.device("meta")
 HEAD_DIM = 128
@@ -224,18 +226,10 @@ def _engine_config(indexer_kv_dtype: str) -> SimpleNamespace:
     """A TP-8 MiniMax M3 engine's config, as far as the warm-up reads it."""
     from vllm.config import AttentionConfig
 
-    index_config = SimpleNamespace(
-        index_n_heads=4, index_topk_blocks=16, index_head_dim=HEAD_DIM, index_block_size=128
-    )
-    # vLLM 0.33.0's MiniMax M3 config keeps the same fields in a dict.
-    index_config.sparse_attention_config = {
-        "sparse_num_index_heads": 4,
-        "sparse_topk_blocks": 16,
-        "sparse_index_dim": HEAD_DIM,
-        "sparse_block_size": 128,
-    }
     return SimpleNamespace(
-        model_config=SimpleNamespace(hf_config=index_config, max_model_len=4096),
+        model_config=SimpleNamespace(
+            hf_config=indexer_text_config(index_n_heads=4), max_model_len=4096
+        ),
         parallel_config=SimpleNamespace(tensor_parallel_size=8),
         attention_config=AttentionConfig(indexer_kv_dtype=indexer_kv_dtype),
         speculative_config=SimpleNamespace(num_speculative_tokens=2),
