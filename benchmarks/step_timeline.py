@@ -19,9 +19,11 @@ scenario are not seen (the first requests' TTFT holds them).
 
 Where the source also holds ``telemetry.csv`` (``scripts/m3-rank-h200`` samples the GPU once a
 second during a round), each level gets the GPU's state over its run: the median and lowest
-SM clock, the median and highest power draw, the clock-event reasons that were active (power
-cap, thermal, hardware slowdown) and the host's highest 1-minute load. A level's window is
-bench's ``date`` (written when the level ended, to the second) less its ``duration``.
+SM clock, the median and highest power draw, the median of nvidia-smi's ``utilization.gpu``
+(the share of each sample's period in which a kernel ran: below 100 the GPU waited on the
+host), the clock-event reasons that were active (power cap, thermal, hardware slowdown) and
+the host's highest 1-minute load. A level's window is bench's ``date`` (written when the level
+ended, to the second) less its ``duration``.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class GpuSample:
     moment: datetime
     sm_mhz: float | None
     power_w: float | None
+    busy_pct: float | None
     reasons: int | None
     load: float | None
 
@@ -82,6 +85,7 @@ class GpuState:
     sm_mhz_min: float | None
     power_w_p50: float | None
     power_w_max: float | None
+    busy_pct_p50: float | None
     events: tuple[str, ...]
     load_max: float | None
 
@@ -130,6 +134,7 @@ def parse_telemetry(text: str) -> list[GpuSample]:
                 moment=moment,
                 sm_mhz=_number(row.get("clocks.sm")),
                 power_w=_number(row.get("power.draw")),
+                busy_pct=_number(row.get("utilization.gpu")),
                 reasons=reason_bits,
                 load=_number(row.get("loadavg_1min")),
             )
@@ -154,6 +159,7 @@ def gpu_state(samples: Sequence[GpuSample], window: tuple[datetime, datetime]) -
         return None
     clocks = [sample.sm_mhz for sample in inside if sample.sm_mhz is not None]
     powers = [sample.power_w for sample in inside if sample.power_w is not None]
+    busy = [sample.busy_pct for sample in inside if sample.busy_pct is not None]
     loads = [sample.load for sample in inside if sample.load is not None]
     seen = 0
     for sample in inside:
@@ -164,6 +170,7 @@ def gpu_state(samples: Sequence[GpuSample], window: tuple[datetime, datetime]) -
         sm_mhz_min=min(clocks) if clocks else None,
         power_w_p50=statistics.median(powers) if powers else None,
         power_w_max=max(powers) if powers else None,
+        busy_pct_p50=statistics.median(busy) if busy else None,
         events=tuple(name for bit, name in CLOCK_EVENTS.items() if seen & bit),
         load_max=max(loads) if loads else None,
     )
@@ -277,11 +284,12 @@ def _one_decimal(value: float | None) -> str:
 
 def _gpu_cells(state: GpuState | None) -> str:
     if state is None:
-        return " - | - | - | - |"
+        return " - | - | - | - | - |"
     load = "-" if state.load_max is None else f"{state.load_max:.1f}"
     return (
         f" {_one_decimal(state.sm_mhz_p50)} [{_one_decimal(state.sm_mhz_min)}] |"
         f" {_one_decimal(state.power_w_p50)} [{_one_decimal(state.power_w_max)}] |"
+        f" {_one_decimal(state.busy_pct_p50)} |"
         f" {' + '.join(state.events) or 'none'} | {load} |"
     )
 
@@ -293,7 +301,9 @@ def render(sources: Sequence[Path], found: Sequence[Sequence[StepSummary]]) -> s
         "| long p50 ms | long max ms | time in long steps s |"
     )
     if with_gpu:
-        header += " SM MHz p50 [min] | power W p50 [max] | clock events | load max |"
+        header += (
+            " SM MHz p50 [min] | power W p50 [max] | GPU busy % p50 | clock events | load max |"
+        )
     lines = [
         "# Engine steps as the client saw them",
         "",

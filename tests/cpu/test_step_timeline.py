@@ -110,14 +110,14 @@ def test_bad_sources_exit_2_and_write_nothing(tmp_path, capsys):
     assert not out.exists()
 
 
-def _telemetry(rows: list[tuple[str, float, float, int, float]]) -> str:
+def _telemetry(rows: list[tuple[str, float, float, int, float, int]]) -> str:
     header = (
         "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu,"
         "clocks_event_reasons.active,loadavg_1min"
     )
     lines = [header]
-    for moment, clock, power, reasons, load in rows:
-        lines.append(f"{moment}, {clock}, 3201, {power}, 60, 99, {reasons:#018x}, {load}")
+    for moment, clock, power, reasons, load, busy in rows:
+        lines.append(f"{moment}, {clock}, 3201, {power}, 60, {busy}, {reasons:#018x}, {load}")
     return "\n".join(lines) + "\n"
 
 
@@ -134,12 +134,12 @@ def test_each_level_gets_the_gpu_state_of_its_own_window(tmp_path, capsys):
         path.mkdir(parents=True, exist_ok=True)
         (path / f"{name}-c4-round1.json").write_text(json.dumps(bench))
     samples = [
-        ("2026/12/04 20:00:00.500", 900.0, 100.0, 0x1, 9.0),  # idle, before both
-        ("2026/12/04 20:00:06.000", 1980.0, 500.0, 0x0, 1.0),
-        ("2026/12/04 20:00:08.000", 1960.0, 520.0, 0x0, 2.0),
-        ("2026/12/04 20:00:26.000", 1500.0, 699.0, 0x4, 3.0),
-        ("2026/12/04 20:00:29.000", 1400.0, 700.0, 0x4, 4.0),
-        ("2026/12/04 20:00:40.000", 100.0, 50.0, 0x40, 9.0),  # after both
+        ("2026/12/04 20:00:00.500", 900.0, 100.0, 0x1, 9.0, 0),  # idle, before both
+        ("2026/12/04 20:00:06.000", 1980.0, 500.0, 0x0, 1.0, 100),
+        ("2026/12/04 20:00:08.000", 1960.0, 520.0, 0x0, 2.0, 98),
+        ("2026/12/04 20:00:26.000", 1500.0, 699.0, 0x4, 3.0, 81),
+        ("2026/12/04 20:00:29.000", 1400.0, 700.0, 0x4, 4.0, 76),
+        ("2026/12/04 20:00:40.000", 100.0, 50.0, 0x40, 9.0, 0),  # after both
     ]
     (rounds / "telemetry.csv").write_text(_telemetry(samples))
     with tarfile.open(tmp_path / "rounds.tar.gz", "w:gz") as archive:
@@ -153,25 +153,35 @@ def test_each_level_gets_the_gpu_state_of_its_own_window(tmp_path, capsys):
     assert quiet is not None and capped is not None
     assert (quiet.samples, quiet.sm_mhz_p50, quiet.sm_mhz_min) == (2, 1970.0, 1960.0)
     assert (quiet.power_w_max, quiet.events, quiet.load_max) == (520.0, (), 2.0)
+    assert (quiet.busy_pct_p50, capped.busy_pct_p50) == (99.0, 78.5)
     assert (capped.samples, capped.sm_mhz_min, capped.power_w_p50) == (2, 1400.0, 699.5)
     assert capped.events == ("power cap",)
     assert step_timeline.main([str(rounds)]) == 0
     table = capsys.readouterr().out
-    assert "| SM MHz p50 [min] | power W p50 [max] | clock events | load max |" in table
-    assert "| 1450.0 [1400.0] | 699.5 [700.0] | power cap | 4.0 |" in table
+    assert (
+        "| SM MHz p50 [min] | power W p50 [max] | GPU busy % p50 | clock events | load max |"
+        in table
+    )
+    assert "| 1450.0 [1400.0] | 699.5 [700.0] | 78.5 | power cap | 4.0 |" in table
 
 
 def test_unreadable_telemetry_values_are_left_out():
-    text = _telemetry([("2026/12/04 20:00:06.000", 1980.0, 500.0, 0x0, 1.0)])
-    text += "2026/12/04 20:00:07.000, [N/A], 3201, [N/A], 60, 99, [N/A], 1.5\n"
+    text = _telemetry([("2026/12/04 20:00:06.000", 1980.0, 500.0, 0x0, 1.0, 99)])
+    text += "2026/12/04 20:00:07.000, [N/A], 3201, [N/A], 60, [N/A], [N/A], 1.5\n"
     text += "not a timestamp, 1, 2, 3, 4, 5, 0x0, 1\n"
     samples = step_timeline.parse_telemetry(text)
     assert len(samples) == 2
     assert (samples[1].sm_mhz, samples[1].power_w, samples[1].reasons) == (None, None, None)
+    assert (samples[0].busy_pct, samples[1].busy_pct) == (99.0, None)
     window = (samples[0].moment, samples[1].moment)
     state = step_timeline.gpu_state(samples, window)
     assert state is not None
-    assert (state.samples, state.sm_mhz_min, state.load_max) == (2, 1980.0, 1.5)
+    assert (state.samples, state.sm_mhz_min, state.load_max, state.busy_pct_p50) == (
+        2,
+        1980.0,
+        1.5,
+        99.0,
+    )
 
 
 @pytest.mark.parametrize("reasons_field", ["clocks_event_reasons", "clocks_throttle_reasons"])
@@ -200,5 +210,10 @@ def test_the_device_scripts_telemetry_parses(tmp_path, reasons_field):
     samples = step_timeline.parse_telemetry(text)
     assert samples, text
     first = samples[0]
-    assert (first.sm_mhz, first.power_w, first.reasons) == (1755.0, 612.5, 0x4)
+    assert (first.sm_mhz, first.power_w, first.reasons, first.busy_pct) == (
+        1755.0,
+        612.5,
+        0x4,
+        97.0,
+    )
     assert first.load is not None
