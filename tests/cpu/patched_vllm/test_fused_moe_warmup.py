@@ -242,13 +242,64 @@ def test_weights_moved_off_their_device_after_registration_are_not_launched_on(e
     process_weights_after_loading (where the layer registers) and rebinds the same
     parameters to host copies afterwards. The warm-up must not launch on those."""
     _, w1, _ = _register_tiny_layer(engine)
-    # This host has no GPU: the record says the weights were on one when the layer
-    # registered, as inside vLLM's device_loading_context; they are on the host now.
-    [(geometry, held)] = warmup._JIT._layers.items()
+    [(geometry, [held])] = warmup._JIT._layers.items()
     assert held.device == w1.device
-    warmup._JIT._layers[geometry] = dataclasses.replace(held, device=torch.device("cuda", 0))
+    _pretend_registered_on_a_gpu(geometry, 0)
     engine.registry.warmup()
     assert engine.launches == []
+    assert warmup._JIT._layers == {}, "a skipped layer is let go of too"
+
+
+def _pretend_registered_on_a_gpu(geometry, index: int) -> None:
+    """This host has no GPU: make the record of the geometry's ``index``-th layer say its
+    weights were on one when it registered, as inside vLLM's device_loading_context; they are
+    on the host now, as after CPU offload without UVA."""
+    held = warmup._JIT._layers[geometry]
+    held[index] = dataclasses.replace(held[index], device=torch.device("cuda", 0))
+
+
+def test_an_offloaded_first_layer_hands_the_warmup_to_a_resident_one(engine):
+    """The offloader moves layers in module order until its budget is spent, so the first
+    layer of a geometry is the one likely moved: the warm-up runs on a later one instead."""
+    _register_tiny_layer(engine)
+    resident, w1, w2 = _register_tiny_layer(engine)
+    [geometry] = warmup._JIT._layers
+    _pretend_registered_on_a_gpu(geometry, 0)
+    engine.registry.warmup()
+    assert engine.launches
+    assert all(
+        launch[0] is resident and launch[1] is w1 and launch[2] is w2 for launch in engine.launches
+    )
+
+
+def test_the_skip_names_the_weight_that_moved():
+    w1, w2 = _weights(4, 256, 256)
+    record = warmup._RegisteredLayer(_experts(*GEOMETRIES["tiny"]), w1, w2, torch.device("cuda", 0))
+    assert record.skip_reason() == "weights left cuda:0 (w13 is on cpu, w2 is on cpu)"
+    record = dataclasses.replace(record, w1=w1.to("meta"), device=torch.device("cpu"))
+    assert record.skip_reason() == "weights left cpu (w13 is on meta)"
+    assert dataclasses.replace(record, w1=w1).skip_reason() is None
+
+
+def test_a_layer_registered_with_no_active_registry_is_not_held(engine):
+    """A model loaded outside the runner's registry (vLLM loads a draft model so) registers
+    nothing, so nothing keeps its weights alive."""
+    experts = _experts(*GEOMETRIES["tiny"])
+    w1, w2 = _weights(4, 256, 256)
+    warmup.register_triton_moe_warmup(
+        _layer(experts, w1, w2), SimpleNamespace(fused_experts=experts)
+    )
+    assert warmup._JIT._layers == {}
+    assert len(engine.registry) == 0
+
+
+def test_a_second_warmup_of_the_same_registry_launches_nothing_more(engine):
+    _register_tiny_layer(engine)
+    engine.registry.warmup()
+    launched = len(engine.launches)
+    assert launched
+    engine.registry.warmup()
+    assert len(engine.launches) == launched
 
 
 def test_a_lora_context_set_after_registration_skips_the_layer(engine):
