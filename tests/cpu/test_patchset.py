@@ -448,6 +448,46 @@ def test_changed_series_revision_asks_for_revert(
     assert "files changed since" not in out
 
 
+def test_device_scripts_reapply_a_series_whose_revision_changed(
+    make_series: Callable[..., SyntheticSeries],
+    use_patches_root: Callable[[Path], None],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """scripts/ensure-series-applied, which the device scripts run on a staged site that a
+    warm machine keeps between calls: it applies an unpatched site, leaves a current one
+    alone, and takes a site patched by an earlier revision back to the originals before
+    applying the series as it is now."""
+    series = alpha_and_beta_series(make_series)
+    use_patches_root(series.patches_root)
+    script = Path(__file__).resolve().parents[2] / "scripts" / "ensure-series-applied"
+    env = {**os.environ, "PYTHON": sys.executable}
+
+    def ensure() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(script), str(series.target)], env=env, capture_output=True, text=True
+        )
+
+    pristine = tree_manifest(series.target)
+    assert ensure().returncode == 0
+    assert series_state(series.target).clean
+    applied = tree_manifest(series.target)
+    assert applied != pristine
+    assert ensure().returncode == 0
+    assert tree_manifest(series.target) == applied
+
+    beta = series.target / "vllm/beta.py"
+    second = series.series_dir / series.patch_names[1]
+    second.write_text(second.read_text().replace("+beta line 30 patched", "+beta line 30 v2"))
+    assert run_cli(capsys, "status", "--target", str(series.target))[0] == 2
+    done = ensure()
+    assert done.returncode == 0, done.stderr
+    state = series_state(series.target)
+    assert state.applied and state.clean
+    assert "beta line 30 v2\n" in beta.read_text()
+    assert "patched" not in beta.read_text()
+    assert run_cli(capsys, "status", "--target", str(series.target))[0] == 0
+
+
 def test_series_outside_vllm_package_is_rejected(
     make_series: Callable[..., SyntheticSeries],
     use_patches_root: Callable[[Path], None],
