@@ -217,6 +217,13 @@ def markdown(summary: dict[str, Any]) -> str:
         f"tok/s per GPU is the slice's tok/s / {summary['tensor_parallel_size']}.",
         "",
     ]
+    if len(arms) > 1:
+        lines += [
+            f"The last column, {arms[1]} / {arms[0]} tok/s (paired), summarises one ratio per"
+            " round that measured both arms, not the ratio of the arms' medians: an arm's"
+            " columns can also hold rounds the other arm did not reach.",
+            "",
+        ]
     if has_resent_levels(summary):
         lines += [
             f"A point marked{RESENT} is a level that re-sent prompts an earlier level of its"
@@ -230,7 +237,7 @@ def markdown(summary: dict[str, Any]) -> str:
         header += f" {arm} tok/s per GPU |"
         header += "".join(f" {arm} {label} |" for label, _ in METRICS[1:])
     if len(arms) > 1:
-        header += f" {arms[1]} / {arms[0]} tok/s |"
+        header += f" {arms[1]} / {arms[0]} tok/s (paired) |"
     lines += [header, "|---" * (header.count("|") - 1) + "|"]
     for point in summary["points"]:
         row = f"| {point['scenario']} | {point['concurrency']} |"

@@ -65,6 +65,8 @@ def test_medians_ranges_and_per_run_ratios(run_dirs, capsys):
     text = (out / "repeats.md").read_text()
     assert "| decode-32k-c32 | 32 | 100.0 [95.0-105.0] (n=3) |" in text
     assert "1.100 [1.000-1.100] (n=3) |" in text
+    assert "| flashinfer / triton tok/s (paired) |" in text
+    assert "one ratio per round that measured both arms, not the ratio of the arms' medians" in text
     assert text in capsys.readouterr().out
 
 
