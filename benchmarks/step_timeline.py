@@ -22,8 +22,11 @@ second during a round), each level gets the GPU's state over its run: the median
 SM clock, the median and highest power draw, the median of nvidia-smi's ``utilization.gpu``
 (the share of each sample's period in which a kernel ran: below 100 the GPU waited on the
 host), the clock-event reasons that were active (power cap, thermal, hardware slowdown) and
-the host's highest 1-minute load. A level's window is bench's ``date`` (written when the level
-ended, to the second) less its ``duration``.
+the host's highest 1-minute load. Where it also holds ``host.csv`` (``benchmarks.host_sampler``,
+run beside it), each level gets the medians of the server's CPU use: the API server's (all
+threads), and the engine core's main thread and busiest other thread, in percent of one core.
+A level's window is bench's ``date`` (written when the level ended, to the second) less its
+``duration``.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 BENCH_NAME = re.compile(
     r"^(?P<arm>[^/]+)/round-(?P<round>\d+)/bench/"
@@ -62,6 +65,7 @@ CLOCK_EVENTS = {
     0x80: "power brake",
 }
 TELEMETRY_NAME = "telemetry.csv"
+HOST_NAME = "host.csv"
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,39 @@ class GpuState:
 
 
 @dataclass(frozen=True)
+class HostSample:
+    """One line of ``host.csv`` (``benchmarks.host_sampler``); None where a cell is empty."""
+
+    moment: datetime
+    api_server_pct: float | None
+    engine_core_main_pct: float | None
+    engine_core_other_pct: float | None
+
+
+@dataclass(frozen=True)
+class HostState:
+    """The server's CPU use over one level's run, in percent of one core."""
+
+    samples: int
+    api_server_pct_p50: float | None
+    engine_core_main_pct_p50: float | None
+    engine_core_other_pct_p50: float | None
+
+
+Sample = TypeVar("Sample", GpuSample, HostSample)
+
+
+@dataclass(frozen=True)
+class RoundFiles:
+    """What one source holds: (BENCH_NAME's match of its relative name, parsed JSON) of every
+    bench result, and the GPU's and the host's samples (none where it has no such file)."""
+
+    benches: list[tuple[re.Match, dict[str, Any]]]
+    gpu: list[GpuSample]
+    host: list[HostSample]
+
+
+@dataclass(frozen=True)
 class StepSummary:
     """One scenario's steps on one arm in one round (durations in ms)."""
 
@@ -105,6 +142,7 @@ class StepSummary:
     long_step_max_ms: float | None
     long_step_total_s: float
     gpu: GpuState | None = None
+    host: HostState | None = None
 
 
 def _number(text: str | None) -> float | None:
@@ -142,6 +180,27 @@ def parse_telemetry(text: str) -> list[GpuSample]:
     return samples
 
 
+def parse_host(text: str) -> list[HostSample]:
+    """The samples of a ``host.csv``."""
+    samples = []
+    for row in csv.DictReader(io.StringIO(text)):
+        try:
+            moment = datetime.strptime(row["timestamp"], "%Y/%m/%d %H:%M:%S.%f")
+        except (KeyError, TypeError, ValueError):
+            continue
+        samples.append(
+            HostSample(
+                moment=moment,
+                api_server_pct=_number(row.get("api_server_cpu_pct") or None),
+                engine_core_main_pct=_number(row.get("engine_core_main_thread_pct") or None),
+                engine_core_other_pct=_number(
+                    row.get("engine_core_busiest_other_thread_pct") or None
+                ),
+            )
+        )
+    return samples
+
+
 def level_window(bench: dict[str, Any]) -> tuple[datetime, datetime] | None:
     """When a level ran: bench writes ``date`` as it ends, truncated to the second."""
     try:
@@ -152,9 +211,13 @@ def level_window(bench: dict[str, Any]) -> tuple[datetime, datetime] | None:
     return end - timedelta(seconds=duration), end + timedelta(seconds=1)
 
 
+def within(samples: Sequence[Sample], window: tuple[datetime, datetime]) -> list[Sample]:
+    return [sample for sample in samples if window[0] <= sample.moment <= window[1]]
+
+
 def gpu_state(samples: Sequence[GpuSample], window: tuple[datetime, datetime]) -> GpuState | None:
     """The samples within ``window``, summarised; None when there are none."""
-    inside = [sample for sample in samples if window[0] <= sample.moment <= window[1]]
+    inside = within(samples, window)
     if not inside:
         return None
     clocks = [sample.sm_mhz for sample in inside if sample.sm_mhz is not None]
@@ -173,6 +236,26 @@ def gpu_state(samples: Sequence[GpuSample], window: tuple[datetime, datetime]) -
         busy_pct_p50=statistics.median(busy) if busy else None,
         events=tuple(name for bit, name in CLOCK_EVENTS.items() if seen & bit),
         load_max=max(loads) if loads else None,
+    )
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
+
+
+def host_state(
+    samples: Sequence[HostSample], window: tuple[datetime, datetime]
+) -> HostState | None:
+    """The samples within ``window``, summarised; None when there are none."""
+    inside = within(samples, window)
+    if not inside:
+        return None
+    return HostState(
+        samples=len(inside),
+        api_server_pct_p50=_median([sample.api_server_pct for sample in inside]),
+        engine_core_main_pct_p50=_median([sample.engine_core_main_pct for sample in inside]),
+        engine_core_other_pct_p50=_median([sample.engine_core_other_pct for sample in inside]),
     )
 
 
@@ -230,38 +313,43 @@ def summarise(
     )
 
 
-def read_source(source: Path) -> tuple[list[tuple[re.Match, dict[str, Any]]], list[GpuSample]]:
-    """(BENCH_NAME's match of its relative name, parsed JSON) of every bench result in a
-    directory or a tar.gz, and the GPU samples of its ``telemetry.csv`` (none when it has
-    none)."""
+def read_source(source: Path) -> RoundFiles:
+    """The bench results and samples of an ``eval ab`` output directory or a tar.gz of one."""
     benches: list[tuple[re.Match, dict[str, Any]]] = []
     if source.is_dir():
         for path in sorted(source.glob("*/round-*/bench/*.json")):
             match = BENCH_NAME.match(path.relative_to(source).as_posix())
             if match is not None:
                 benches.append((match, json.loads(path.read_text())))
-        telemetry = source / TELEMETRY_NAME
-        return benches, parse_telemetry(telemetry.read_text() if telemetry.is_file() else "")
-    text = ""
-    with tarfile.open(source, "r:gz") as archive:
-        for member in sorted(archive.getmembers(), key=lambda member: member.name):
-            name = member.name.removeprefix("./")
-            match = BENCH_NAME.match(name)
-            if not member.isfile() or not (match or name == TELEMETRY_NAME):
-                continue
-            handle = archive.extractfile(member)
-            assert handle is not None
-            if match is None:
-                text = handle.read().decode("utf-8")
-            else:
-                benches.append((match, json.load(io.TextIOWrapper(handle, encoding="utf-8"))))
-    return benches, parse_telemetry(text)
+        texts = {
+            name: (source / name).read_text() if (source / name).is_file() else ""
+            for name in (TELEMETRY_NAME, HOST_NAME)
+        }
+    else:
+        texts = {TELEMETRY_NAME: "", HOST_NAME: ""}
+        with tarfile.open(source, "r:gz") as archive:
+            for member in sorted(archive.getmembers(), key=lambda member: member.name):
+                name = member.name.removeprefix("./")
+                match = BENCH_NAME.match(name)
+                if not member.isfile() or not (match or name in texts):
+                    continue
+                handle = archive.extractfile(member)
+                assert handle is not None
+                if match is None:
+                    texts[name] = handle.read().decode("utf-8")
+                else:
+                    benches.append((match, json.load(io.TextIOWrapper(handle, encoding="utf-8"))))
+    return RoundFiles(
+        benches=benches,
+        gpu=parse_telemetry(texts[TELEMETRY_NAME]),
+        host=parse_host(texts[HOST_NAME]),
+    )
 
 
 def summaries(source: Path) -> list[StepSummary]:
     found: list[StepSummary] = []
-    benches, samples = read_source(source)
-    for match, bench in benches:
+    files = read_source(source)
+    for match, bench in files.benches:
         summary = summarise(
             bench,
             arm=match["arm"],
@@ -272,8 +360,12 @@ def summaries(source: Path) -> list[StepSummary]:
         if summary is None:
             continue
         window = level_window(bench)
-        if samples and window is not None:
-            summary = replace(summary, gpu=gpu_state(samples, window))
+        if window is not None:
+            summary = replace(
+                summary,
+                gpu=gpu_state(files.gpu, window) if files.gpu else None,
+                host=host_state(files.host, window) if files.host else None,
+            )
         found.append(summary)
     return found
 
@@ -294,8 +386,19 @@ def _gpu_cells(state: GpuState | None) -> str:
     )
 
 
+def _host_cells(state: HostState | None) -> str:
+    if state is None:
+        return " - | - | - |"
+    return (
+        f" {_one_decimal(state.api_server_pct_p50)} |"
+        f" {_one_decimal(state.engine_core_main_pct_p50)} |"
+        f" {_one_decimal(state.engine_core_other_pct_p50)} |"
+    )
+
+
 def render(sources: Sequence[Path], found: Sequence[Sequence[StepSummary]]) -> str:
     with_gpu = any(row.gpu is not None for rows in found for row in rows)
+    with_host = any(row.host is not None for rows in found for row in rows)
     header = (
         "| source | scenario | concurrency | arm | steps | step p50 ms | long steps "
         "| long p50 ms | long max ms | time in long steps s |"
@@ -303,6 +406,11 @@ def render(sources: Sequence[Path], found: Sequence[Sequence[StepSummary]]) -> s
     if with_gpu:
         header += (
             " SM MHz p50 [min] | power W p50 [max] | GPU busy % p50 | clock events | load max |"
+        )
+    if with_host:
+        header += (
+            " API server CPU % p50 | engine core main thread CPU % p50"
+            " | engine core busiest other thread CPU % p50 |"
         )
     lines = [
         "# Engine steps as the client saw them",
@@ -323,7 +431,8 @@ def render(sources: Sequence[Path], found: Sequence[Sequence[StepSummary]]) -> s
                 f" {_one_decimal(row.long_step_p50_ms)} |"
                 f" {_one_decimal(row.long_step_max_ms)} | {row.long_step_total_s:.2f} |"
             )
-            lines.append(line + (_gpu_cells(row.gpu) if with_gpu else ""))
+            line += _gpu_cells(row.gpu) if with_gpu else ""
+            lines.append(line + (_host_cells(row.host) if with_host else ""))
     return "\n".join(lines) + "\n"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import step_timeline
+from benchmarks import host_sampler, step_timeline
 
 
 def simulate(
@@ -217,3 +217,49 @@ def test_the_device_scripts_telemetry_parses(tmp_path, reasons_field):
         97.0,
     )
     assert first.load is not None
+
+
+def test_each_level_gets_the_hosts_cpu_use_of_its_own_window(tmp_path, capsys):
+    """host.csv (benchmarks.host_sampler) is matched to levels as telemetry.csv is; an empty
+    cell (no server yet, or its first sample) is left out of the median."""
+    first, _ = simulate(seed=7, concurrency=4, prefill_steps={})
+    second, _ = simulate(seed=8, concurrency=4, prefill_steps={})
+    first |= {"date": "20261204-200010", "duration": 5.0}  # ran 20:00:05 to 20:00:10
+    second |= {"date": "20261204-200030", "duration": 5.0}  # ran 20:00:25 to 20:00:30
+    rounds = tmp_path / "round"
+    path = rounds / "flashinfer" / "round-1" / "bench"
+    path.mkdir(parents=True)
+    (path / "prefill-64k-c8-c8-round1.json").write_text(json.dumps(first))
+    (path / "decode-32k-c64-c64-round1.json").write_text(json.dumps(second))
+    header = ",".join(host_sampler.COLUMNS)
+    rows = [
+        "2026/12/04 20:00:01.000,,,,,,,",  # before the server
+        "2026/12/04 20:00:06.000,10,11,40.0,30.0,,,",  # the engine core's first sample
+        "2026/12/04 20:00:07.000,10,11,45.5,40.0,130.0,99.0,20.0",
+        "2026/12/04 20:00:08.000,10,11,50.5,41.0,140.0,97.0,30.0",
+        "2026/12/04 20:00:27.000,10,11,12.0,3.0,110.0,62.0,8.0",
+    ]
+    (rounds / "host.csv").write_text("\n".join([header, *rows]) + "\n")
+    with tarfile.open(tmp_path / "rounds.tar.gz", "w:gz") as archive:
+        archive.add(rounds / "flashinfer", arcname="flashinfer")
+        archive.add(rounds / "host.csv", arcname="host.csv")
+    by_scenario = {row.scenario: row for row in step_timeline.summaries(rounds)}
+    assert {row.scenario: row.host for row in by_scenario.values()} == {
+        row.scenario: row.host for row in step_timeline.summaries(tmp_path / "rounds.tar.gz")
+    }
+    prefill = by_scenario["prefill-64k-c8"].host
+    assert prefill is not None and prefill.samples == 3
+    assert (prefill.api_server_pct_p50, prefill.engine_core_main_pct_p50) == (45.5, 98.0)
+    assert prefill.engine_core_other_pct_p50 == 25.0
+    decode = by_scenario["decode-32k-c64"].host
+    assert decode is not None and decode.engine_core_main_pct_p50 == 62.0
+    assert by_scenario["prefill-64k-c8"].gpu is None  # no telemetry.csv in this source
+    assert step_timeline.main([str(rounds)]) == 0
+    table = capsys.readouterr().out
+    assert "GPU busy % p50" not in table
+    assert (
+        "| API server CPU % p50 | engine core main thread CPU % p50 "
+        "| engine core busiest other thread CPU % p50 |" in table
+    )
+    assert "| 45.5 | 98.0 | 25.0 |" in table
+    assert "| 12.0 | 62.0 | 8.0 |" in table

@@ -1,0 +1,239 @@
+"""benchmarks/host_sampler.py: the server's processes found and their CPU use measured, on a
+hand-made /proc with known tick counts and on live processes with a known load."""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks import host_sampler, step_timeline
+
+MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def _task(directory: Path, ppid: int, cpu_ticks: int, start_ticks: int, name: str) -> None:
+    """A proc(5) ``stat`` file: utime and stime split the ticks, starttime is field 22."""
+    directory.mkdir(parents=True, exist_ok=True)
+    utime, stime = cpu_ticks - cpu_ticks // 3, cpu_ticks // 3
+    fields = ["S", ppid, 1, 1, 0, -1, 4194304, 0, 0, 0, 0, utime, stime, 0, 0, 20, 0, 1, 0]
+    fields += [start_ticks, 1000, 100]
+    (directory / "stat").write_text(f"{directory.name} ({name}) " + " ".join(map(str, fields)))
+
+
+def _process(
+    proc: Path,
+    pid: int,
+    ppid: int,
+    argv: list[str],
+    threads: dict[int, int],
+    start_ticks: int = 500,
+    name: str = "python3",
+) -> None:
+    """Process ``pid`` with ``threads`` (tid: CPU ticks); its own stat sums them."""
+    root = proc / str(pid)
+    _task(root, ppid, sum(threads.values()), start_ticks, name)
+    (root / "cmdline").write_bytes(b"".join(arg.encode() + b"\0" for arg in argv))
+    (root / "comm").write_text(name + "\n")
+    for tid, ticks in threads.items():
+        _task(root / "task" / str(tid), ppid, ticks, start_ticks, name)
+
+
+def _server(proc: Path, step: int, engine_core_pid: int = 102, engine_start: int = 900) -> None:
+    """A server whose processes have run ``step`` seconds at 100 ticks a second: the API
+    server's main thread at 20%, the engine core's main thread at 90% and its input thread
+    at 35%; a resource tracker and a launcher that names the module in one argument, both
+    busier than the API server, must not be taken for it."""
+    _process(proc, 100, 1, ["python3", "-m", MODULE, "--port", "8000"], {100: 20 * step})
+    _process(
+        proc,
+        101,
+        100,
+        ["python3", "-c", "from multiprocessing.resource_tracker import main;main(5)"],
+        {101: 1 * step},
+    )
+    _process(
+        proc,
+        engine_core_pid,
+        100,
+        ["VLLM::EngineCore"],
+        {engine_core_pid: 90 * step, engine_core_pid + 1: 35 * step, engine_core_pid + 2: 0},
+        start_ticks=engine_start,
+        name="VLLM::EngineCor",
+    )
+    _process(
+        proc,
+        7,
+        1,
+        ["python3", "-m", "vllm_minimax", "eval", "ab", "--server-command", f"python3 -m {MODULE}"],
+        {7: 95 * step},
+        start_ticks=800,  # newer than the server, so taken for it if matched
+    )
+
+
+def test_cpu_use_on_a_hand_made_proc(tmp_path):
+    proc = tmp_path / "proc"
+    _server(proc, step=10)
+    meter = host_sampler.CpuMeter(clock_ticks_per_s=100)
+    first = host_sampler.sample(proc, meter, MODULE, own_pid=4, now=50.0)
+    assert (first["api_server_pid"], first["engine_core_pid"]) == (100, 102)
+    assert first["engine_core_main_thread_pct"] is None  # nothing to compare with yet
+    _server(proc, step=12)  # two seconds later
+    second = host_sampler.sample(proc, meter, MODULE, own_pid=4, now=52.0)
+    assert second == {
+        "api_server_pid": 100,
+        "engine_core_pid": 102,
+        "api_server_cpu_pct": pytest.approx(20.0),
+        "api_server_main_thread_pct": pytest.approx(20.0),
+        "engine_core_cpu_pct": pytest.approx(125.0),
+        "engine_core_main_thread_pct": pytest.approx(90.0),
+        "engine_core_busiest_other_thread_pct": pytest.approx(35.0),
+    }
+
+
+def test_a_restarted_engine_core_starts_over(tmp_path):
+    """A new engine core (another pid, or the same pid started later) has no previous
+    reading, so its first sample is empty rather than a difference of two processes."""
+    proc = tmp_path / "proc"
+    _server(proc, step=10)
+    meter = host_sampler.CpuMeter(clock_ticks_per_s=100)
+    host_sampler.sample(proc, meter, MODULE, own_pid=4, now=50.0)
+    for pid in (100, 101, 102, 7):
+        for path in sorted((proc / str(pid)).rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        (proc / str(pid)).rmdir()
+    _server(proc, step=1, engine_start=5000)
+    row = host_sampler.sample(proc, meter, MODULE, own_pid=4, now=51.0)
+    assert row["engine_core_pid"] == 102
+    assert row["engine_core_main_thread_pct"] is None
+    assert row["engine_core_busiest_other_thread_pct"] is None
+
+
+def test_no_server_gives_empty_cells(tmp_path):
+    proc = tmp_path / "proc"
+    _process(proc, 7, 1, ["python3", "-c", f"print('-m {MODULE}')"], {7: 5})
+    meter = host_sampler.CpuMeter(clock_ticks_per_s=100)
+    row = host_sampler.sample(proc, meter, MODULE, own_pid=4, now=1.0)
+    assert row == {"api_server_pid": None, "engine_core_pid": None}
+
+
+def test_without_a_title_the_busiest_child_is_the_engine_core(tmp_path):
+    proc = tmp_path / "proc"
+    _process(proc, 100, 1, ["python3", "-m", MODULE], {100: 10})
+    spawn = ["python3", "-c", "from multiprocessing.spawn import spawn_main; spawn_main()"]
+    _process(proc, 110, 100, spawn, {110: 4000})
+    _process(proc, 111, 100, ["python3", "-c", "resource_tracker"], {111: 3})
+    found = host_sampler.find_server(proc, MODULE, own_pid=4)
+    assert found == host_sampler.ServerProcesses(api_server=100, engine_core=110)
+
+
+FAKE_SERVER = """
+import subprocess, sys, time
+# The engine core: its main thread spins, its other thread sleeps.
+core = subprocess.Popen([sys.executable, "-c", '''
+import threading, time
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    pass
+''', "EngineCore"])
+print(core.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_live_processes(tmp_path):
+    """A stand-in server (``python -m fake_api_server``, idle) with a spinning engine core,
+    beside a spinning launcher that only mentions the module: the sampler's CSV, read by
+    step_timeline, attributes the load to the engine core's main thread."""
+    (tmp_path / "fake_api_server.py").write_text(textwrap.dedent(FAKE_SERVER))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "fake_api_server"], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "while True: pass", "--server-command python -m fake_api_server"]
+    )
+    core_pid = None
+    try:
+        assert server.stdout is not None
+        core_pid = int(server.stdout.readline())
+        out, stop = tmp_path / "host.csv", tmp_path / "stop"
+        sampler = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.host_sampler",
+                str(out),
+                "--stop-file",
+                str(stop),
+                "--interval",
+                "0.5",
+                "--server-module",
+                "fake_api_server",
+            ],
+            cwd=Path(__file__).resolve().parents[2],
+        )
+        time.sleep(3.5)
+        stop.touch()
+        assert sampler.wait(timeout=30) == 0
+    finally:
+        for process in (server, launcher):
+            process.kill()
+            process.wait()
+        if core_pid is not None:
+            os.kill(core_pid, signal.SIGKILL)
+    rows = list(csv.DictReader(out.read_text().splitlines()))
+    assert len(rows) >= 4
+    assert {row["api_server_pid"] for row in rows} == {str(server.pid)}
+    assert {row["engine_core_pid"] for row in rows} == {str(core_pid)}
+    samples = step_timeline.parse_host(out.read_text())
+    assert len(samples) == len(rows)
+    window = (samples[0].moment, samples[-1].moment)
+    state = step_timeline.host_state(samples, window)
+    assert state is not None
+    # Two cores are enough for the spinning core and launcher to get at least a third of one.
+    assert state.engine_core_main_pct_p50 is not None and state.engine_core_main_pct_p50 > 30
+    assert state.api_server_pct_p50 is not None and state.api_server_pct_p50 < 10
+    assert state.engine_core_other_pct_p50 is not None and state.engine_core_other_pct_p50 < 10
+
+
+def test_refuses_what_it_cannot_write(tmp_path, capsys):
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    target = blocked / "host.csv"
+    assert host_sampler.main([str(target), "--stop-file", str(tmp_path / "stop")]) == 2
+    assert f"cannot write {target}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        host_sampler.main(["x.csv", "--stop-file", "s", "--interval", "0"])
+    assert "--interval must be above 0" in capsys.readouterr().err
+
+
+def test_the_device_scripts_sampler_runs(tmp_path):
+    """scripts/m3-rank-h200's sample_host, as a round starts it (from the repository root),
+    writes host.csv until the stop file appears, with nothing in host.err."""
+    root = Path(__file__).resolve().parents[2]
+    script = root / "scripts" / "m3-rank-h200"
+    out = tmp_path / "round"
+    out.mkdir()
+    runner = (
+        f"source <(sed -n '/^sample_host() {{/,/^}}/p' {script}); "
+        f"sample_host {out} {out}/exit-status & sleep 2; touch {out}/exit-status; wait"
+    )
+    subprocess.run(
+        ["bash", "-c", runner],
+        check=True,
+        cwd=root,
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"},
+        timeout=30,
+    )
+    assert (out / "host.err").read_text() == ""
+    lines = (out / "host.csv").read_text().splitlines()
+    assert lines[0] == ",".join(host_sampler.COLUMNS)
+    assert len(lines) >= 2
