@@ -13,17 +13,23 @@ CPU time of
 - the engine core, all threads, its main thread (the busy loop) and its busiest other
   thread;
 
-in percent of one core. The engine core's main thread may read busy while the GPU works too
-(CUDA's default synchronization spins), so it is the GPU's idle stretches that tell: with the
-main thread near 100% the step loop itself held the GPU up; with the main thread idle as well
-it waited for requests, and the API server's columns say whether that process was saturated
-(near 100% in its main thread or in all). A cell is empty when there is no such process, or when
+in percent of one core; the share of the interval the engine core's main thread was ready
+to run but waited for a CPU (its ``schedstat``, where the kernel keeps it); and the whole
+machine's CPU time that was busy, and that a hypervisor took from it (steal), in percent of
+all its CPUs. A main thread waiting for a CPU, or stolen time, says the host was short of
+CPU rather than the loop having more to do.
+
+The engine core's main thread may read busy while the GPU works too (CUDA's default
+synchronization spins), so it is the GPU's idle stretches that tell: with the main thread
+near 100% the step loop itself held the GPU up; with the main thread idle as well it waited
+for requests, and the API server's columns say whether that process was saturated (near
+100% in its main thread or in all). A cell is empty when there is no such process, or when
 it started within the last interval. The server is looked up again at every sample, so the
 rows follow a round's servers as they stop and start. Sampling stops once PATH exists.
 
 The engine core is the API server's child whose command line or name says ``EngineCore``
 (vLLM sets that title when ``setproctitle`` is installed), else its child with the most CPU
-time: the others are multiprocessing's resource tracker and short-lived helpers.
+time, multiprocessing's resource tracker left out.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -42,6 +48,7 @@ from typing import TextIO
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 ENGINE_CORE_NAME = "EngineCore"
+RESOURCE_TRACKER = "multiprocessing.resource_tracker"
 COLUMNS = (
     "timestamp",
     "api_server_pid",
@@ -51,6 +58,9 @@ COLUMNS = (
     "engine_core_cpu_pct",
     "engine_core_main_thread_pct",
     "engine_core_busiest_other_thread_pct",
+    "engine_core_main_thread_runqueue_wait_pct",
+    "machine_cpu_busy_pct",
+    "machine_cpu_steal_pct",
 )
 # nvidia-smi's timestamp format, so that both files line up on one clock.
 TIMESTAMP_FORMAT = "%Y/%m/%d %H:%M:%S.%f"
@@ -122,7 +132,11 @@ def find_server(proc: Path, module: str, own_pid: int) -> ServerProcesses:
     if not servers:
         return ServerProcesses(api_server=None, engine_core=None)
     api_server = max(servers, key=lambda pid: stats[pid].start_ticks)
-    children = [pid for pid, stat in stats.items() if stat.ppid == api_server]
+    children = [
+        pid
+        for pid, stat in stats.items()
+        if stat.ppid == api_server and RESOURCE_TRACKER not in " ".join(read_argv(proc, pid))
+    ]
     named = [
         pid
         for pid in children
@@ -134,56 +148,109 @@ def find_server(proc: Path, module: str, own_pid: int) -> ServerProcesses:
     return ServerProcesses(api_server=api_server, engine_core=engine_core)
 
 
-class CpuMeter:
-    """CPU use, in percent of one core, of tasks between one reading and the next."""
+class RateMeter:
+    """Per-second rates of cumulative counters between one sample and the next."""
 
-    def __init__(self, clock_ticks_per_s: int) -> None:
-        self._ticks_per_s = clock_ticks_per_s
-        self._previous: dict[tuple[Path, int], tuple[int, float]] = {}
-        self._seen: dict[tuple[Path, int], tuple[int, float]] = {}
+    def __init__(self) -> None:
+        self._previous: dict[Hashable, tuple[float, float]] = {}
+        self._seen: dict[Hashable, tuple[float, float]] = {}
 
-    def percent(self, stat_path: Path, now: float) -> float | None:
-        """The use since this task's last reading; None at its first (a task is told apart
-        from a later one at the same path by its start time)."""
-        stat = read_stat(stat_path)
-        if stat is None:
-            return None
-        key = (stat_path, stat.start_ticks)
-        self._seen[key] = (stat.cpu_ticks, now)
+    def rate(self, key: Hashable, value: float, now: float) -> float | None:
+        """The counter's growth per second since its last reading under ``key``; None at
+        the first, or when it went down (another task under a reused key)."""
+        self._seen[key] = (value, now)
         previous = self._previous.get(key)
-        if previous is None or now <= previous[1] or stat.cpu_ticks < previous[0]:
+        if previous is None or now <= previous[1] or value < previous[0]:
             return None
-        ticks, then = previous
-        return 100.0 * (stat.cpu_ticks - ticks) / self._ticks_per_s / (now - then)
+        return (value - previous[0]) / (now - previous[1])
 
     def next_sample(self) -> None:
-        """Keep this sample's readings for the next one; forget tasks it did not see."""
+        """Keep this sample's readings for the next one; forget counters it did not read."""
         self._previous, self._seen = self._seen, {}
 
 
+class HostMeter:
+    """The figures of one row, from ``/proc`` (or a stand-in tree) and a rate meter."""
+
+    def __init__(self, proc: Path, clock_ticks_per_s: int) -> None:
+        self.proc = proc
+        self._ticks_per_s = clock_ticks_per_s
+        self._rates = RateMeter()
+
+    def cpu_pct(self, stat_path: Path, now: float) -> float | None:
+        """A task's CPU use in percent of one core (a task is told apart from a later one at
+        the same path by its start time)."""
+        stat = read_stat(stat_path)
+        if stat is None:
+            return None
+        per_s = self._rates.rate(("cpu", stat_path, stat.start_ticks), stat.cpu_ticks, now)
+        return None if per_s is None else 100.0 * per_s / self._ticks_per_s
+
+    def runqueue_wait_pct(self, task: Path, now: float) -> float | None:
+        """The share of the time a thread was ready to run but waited for a CPU, from its
+        ``schedstat``; None where the kernel does not keep it (the file reads all zeros)."""
+        stat = read_stat(task / "stat")
+        try:
+            fields = (task / "schedstat").read_text().split()
+            on_cpu_ns, waited_ns = int(fields[0]), int(fields[1])
+        except (OSError, IndexError, ValueError):
+            return None
+        if stat is None or (on_cpu_ns == 0 and waited_ns == 0):
+            return None
+        per_s = self._rates.rate(("wait", task, stat.start_ticks), waited_ns, now)
+        return None if per_s is None else 100.0 * per_s / 1e9
+
+    def machine_pcts(self, now: float) -> tuple[float | None, float | None]:
+        """The whole machine's CPU time that was busy, and that the hypervisor took (steal),
+        in percent of all its CPUs, from the first line of ``/proc/stat``."""
+        try:
+            line = (self.proc / "stat").read_text().splitlines()[0]
+            ticks = [int(field) for field in line.split()[1:9]]
+        except (OSError, IndexError, ValueError):
+            return None, None
+        ticks += [0] * (8 - len(ticks))
+        idle, steal, total = ticks[3] + ticks[4], ticks[7], sum(ticks)
+        rates = [
+            self._rates.rate(("machine", name), value, now)
+            for name, value in (("busy", total - idle - steal), ("steal", steal), ("all", total))
+        ]
+        busy, stolen, every = rates
+        if busy is None or stolen is None or not every:
+            return None, None
+        return 100.0 * busy / every, 100.0 * stolen / every
+
+    def next_sample(self) -> None:
+        self._rates.next_sample()
+
+
 def sample(
-    proc: Path, meter: CpuMeter, module: str, own_pid: int, now: float
+    meter: HostMeter, module: str, own_pid: int, now: float
 ) -> dict[str, float | int | None]:
     """One row's values, less the timestamp."""
+    proc = meter.proc
     server = find_server(proc, module, own_pid)
     row: dict[str, float | int | None] = {
         "api_server_pid": server.api_server,
         "engine_core_pid": server.engine_core,
     }
+    row["machine_cpu_busy_pct"], row["machine_cpu_steal_pct"] = meter.machine_pcts(now)
     for prefix, pid in (("api_server", server.api_server), ("engine_core", server.engine_core)):
         if pid is None:
             continue
-        row[f"{prefix}_cpu_pct"] = meter.percent(proc / str(pid) / "stat", now)
-        row[f"{prefix}_main_thread_pct"] = meter.percent(
-            proc / str(pid) / "task" / str(pid) / "stat", now
-        )
+        row[f"{prefix}_cpu_pct"] = meter.cpu_pct(proc / str(pid) / "stat", now)
+        main_thread = proc / str(pid) / "task" / str(pid)
+        row[f"{prefix}_main_thread_pct"] = meter.cpu_pct(main_thread / "stat", now)
+        if prefix == "engine_core":
+            row["engine_core_main_thread_runqueue_wait_pct"] = meter.runqueue_wait_pct(
+                main_thread, now
+            )
     if server.engine_core is not None:
         tasks = proc / str(server.engine_core) / "task"
         try:
             others = [entry for entry in tasks.iterdir() if entry.name != str(server.engine_core)]
         except OSError:
             others = []
-        readings = [meter.percent(entry / "stat", now) for entry in others]
+        readings = [meter.cpu_pct(entry / "stat", now) for entry in others]
         measured = [reading for reading in readings if reading is not None]
         row["engine_core_busiest_other_thread_pct"] = max(measured) if measured else None
     meter.next_sample()
@@ -204,14 +271,14 @@ def run(
     proc: Path = Path("/proc"),
 ) -> int:
     """Write rows to ``out`` until ``stop_file`` exists; returns the number written."""
-    meter = CpuMeter(os.sysconf("SC_CLK_TCK"))
+    meter = HostMeter(proc, os.sysconf("SC_CLK_TCK"))
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(COLUMNS)
     out.flush()
     written = 0
     while not stop_file.exists():
         began = time.monotonic()
-        values = sample(proc, meter, module, os.getpid(), began)
+        values = sample(meter, module, os.getpid(), began)
         stamp = datetime.now().strftime(TIMESTAMP_FORMAT)[:-3]
         writer.writerow([stamp, *(_cell(values.get(column)) for column in COLUMNS[1:])])
         out.flush()

@@ -24,7 +24,9 @@ SM clock, the median and highest power draw, the median of nvidia-smi's ``utiliz
 host), the clock-event reasons that were active (power cap, thermal, hardware slowdown) and
 the host's highest 1-minute load. Where it also holds ``host.csv`` (``benchmarks.host_sampler``,
 run beside it), each level gets the medians of the server's CPU use: the API server's (all
-threads), and the engine core's main thread and busiest other thread, in percent of one core.
+threads), and the engine core's main thread and busiest other thread, in percent of one core;
+of the share of time the engine core's main thread waited for a CPU; and of the machine's
+CPU time that was busy, and stolen by a hypervisor, in percent of all its CPUs.
 A level's window is bench's ``date`` (written when the level ended, to the second) less its
 ``duration``.
 """
@@ -102,16 +104,23 @@ class HostSample:
     api_server_pct: float | None
     engine_core_main_pct: float | None
     engine_core_other_pct: float | None
+    engine_core_wait_pct: float | None
+    machine_busy_pct: float | None
+    machine_steal_pct: float | None
 
 
 @dataclass(frozen=True)
 class HostState:
-    """The server's CPU use over one level's run, in percent of one core."""
+    """The server's CPU use over one level's run, in percent of one core (the machine's in
+    percent of all its CPUs)."""
 
     samples: int
     api_server_pct_p50: float | None
     engine_core_main_pct_p50: float | None
     engine_core_other_pct_p50: float | None
+    engine_core_wait_pct_p50: float | None
+    machine_busy_pct_p50: float | None
+    machine_steal_pct_p50: float | None
 
 
 Sample = TypeVar("Sample", GpuSample, HostSample)
@@ -196,6 +205,11 @@ def parse_host(text: str) -> list[HostSample]:
                 engine_core_other_pct=_number(
                     row.get("engine_core_busiest_other_thread_pct") or None
                 ),
+                engine_core_wait_pct=_number(
+                    row.get("engine_core_main_thread_runqueue_wait_pct") or None
+                ),
+                machine_busy_pct=_number(row.get("machine_cpu_busy_pct") or None),
+                machine_steal_pct=_number(row.get("machine_cpu_steal_pct") or None),
             )
         )
     return samples
@@ -256,6 +270,9 @@ def host_state(
         api_server_pct_p50=_median([sample.api_server_pct for sample in inside]),
         engine_core_main_pct_p50=_median([sample.engine_core_main_pct for sample in inside]),
         engine_core_other_pct_p50=_median([sample.engine_core_other_pct for sample in inside]),
+        engine_core_wait_pct_p50=_median([sample.engine_core_wait_pct for sample in inside]),
+        machine_busy_pct_p50=_median([sample.machine_busy_pct for sample in inside]),
+        machine_steal_pct_p50=_median([sample.machine_steal_pct for sample in inside]),
     )
 
 
@@ -388,11 +405,14 @@ def _gpu_cells(state: GpuState | None) -> str:
 
 def _host_cells(state: HostState | None) -> str:
     if state is None:
-        return " - | - | - |"
+        return " - | - | - | - | - | - |"
     return (
         f" {_one_decimal(state.api_server_pct_p50)} |"
         f" {_one_decimal(state.engine_core_main_pct_p50)} |"
         f" {_one_decimal(state.engine_core_other_pct_p50)} |"
+        f" {_one_decimal(state.engine_core_wait_pct_p50)} |"
+        f" {_one_decimal(state.machine_busy_pct_p50)} |"
+        f" {_one_decimal(state.machine_steal_pct_p50)} |"
     )
 
 
@@ -410,7 +430,9 @@ def render(sources: Sequence[Path], found: Sequence[Sequence[StepSummary]]) -> s
     if with_host:
         header += (
             " API server CPU % p50 | engine core main thread CPU % p50"
-            " | engine core busiest other thread CPU % p50 |"
+            " | engine core busiest other thread CPU % p50"
+            " | engine core main thread waiting for a CPU % p50 | machine CPU busy % p50"
+            " | machine CPU steal % p50 |"
         )
     lines = [
         "# Engine steps as the client saw them",

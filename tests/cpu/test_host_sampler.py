@@ -19,9 +19,15 @@ from benchmarks import host_sampler, step_timeline
 MODULE = "vllm.entrypoints.openai.api_server"
 
 
-def _task(directory: Path, ppid: int, cpu_ticks: int, start_ticks: int, name: str) -> None:
-    """A proc(5) ``stat`` file: utime and stime split the ticks, starttime is field 22."""
+def _task(
+    directory: Path, ppid: int, cpu_ticks: int, start_ticks: int, name: str, waited_ns: int = 0
+) -> None:
+    """A proc(5) ``stat`` file (utime and stime split the ticks, starttime is field 22) and
+    a ``schedstat`` (time on a CPU, time waiting for one, in ns; all zeros when the kernel
+    does not keep them)."""
     directory.mkdir(parents=True, exist_ok=True)
+    on_cpu_ns = cpu_ticks * 10_000_000 if waited_ns else 0
+    (directory / "schedstat").write_text(f"{on_cpu_ns} {waited_ns} {cpu_ticks // 10 + 1}\n")
     utime, stime = cpu_ticks - cpu_ticks // 3, cpu_ticks // 3
     fields = ["S", ppid, 1, 1, 0, -1, 4194304, 0, 0, 0, 0, utime, stime, 0, 0, 20, 0, 1, 0]
     fields += [start_ticks, 1000, 100]
@@ -36,21 +42,30 @@ def _process(
     threads: dict[int, int],
     start_ticks: int = 500,
     name: str = "python3",
+    waited_ns: dict[int, int] | None = None,
 ) -> None:
-    """Process ``pid`` with ``threads`` (tid: CPU ticks); its own stat sums them."""
+    """Process ``pid`` with ``threads`` (tid: CPU ticks, and ns waited for a CPU in
+    ``waited_ns``); its own stat sums them."""
     root = proc / str(pid)
     _task(root, ppid, sum(threads.values()), start_ticks, name)
     (root / "cmdline").write_bytes(b"".join(arg.encode() + b"\0" for arg in argv))
     (root / "comm").write_text(name + "\n")
     for tid, ticks in threads.items():
-        _task(root / "task" / str(tid), ppid, ticks, start_ticks, name)
+        waited = (waited_ns or {}).get(tid, 0)
+        _task(root / "task" / str(tid), ppid, ticks, start_ticks, name, waited)
 
 
 def _server(proc: Path, step: int, engine_core_pid: int = 102, engine_start: int = 900) -> None:
     """A server whose processes have run ``step`` seconds at 100 ticks a second: the API
-    server's main thread at 20%, the engine core's main thread at 90% and its input thread
-    at 35%; a resource tracker and a launcher that names the module in one argument, both
-    busier than the API server, must not be taken for it."""
+    server's main thread at 20%, the engine core's main thread at 90% (and waiting for a CPU
+    10% of the time) and its input thread at 35%; a resource tracker and a launcher that
+    names the module in one argument, both busier than the API server, must not be taken
+    for it. The machine's CPUs are 40% busy, and the hypervisor takes 5%."""
+    proc.mkdir(parents=True, exist_ok=True)
+    user, system, idle, iowait, steal, guest = (step * n for n in (600, 200, 1000, 100, 100, 50))
+    (proc / "stat").write_text(
+        f"cpu  {user} 0 {system} {idle} {iowait} 0 0 {steal} {guest} 0\ncpu0 1 2 3 4 5 6 7 8\n"
+    )
     _process(proc, 100, 1, ["python3", "-m", MODULE, "--port", "8000"], {100: 20 * step})
     _process(
         proc,
@@ -67,6 +82,7 @@ def _server(proc: Path, step: int, engine_core_pid: int = 102, engine_start: int
         {engine_core_pid: 90 * step, engine_core_pid + 1: 35 * step, engine_core_pid + 2: 0},
         start_ticks=engine_start,
         name="VLLM::EngineCor",
+        waited_ns={engine_core_pid: 100_000_000 * step},
     )
     _process(
         proc,
@@ -81,12 +97,12 @@ def _server(proc: Path, step: int, engine_core_pid: int = 102, engine_start: int
 def test_cpu_use_on_a_hand_made_proc(tmp_path):
     proc = tmp_path / "proc"
     _server(proc, step=10)
-    meter = host_sampler.CpuMeter(clock_ticks_per_s=100)
-    first = host_sampler.sample(proc, meter, MODULE, own_pid=4, now=50.0)
+    meter = host_sampler.HostMeter(proc, clock_ticks_per_s=100)
+    first = host_sampler.sample(meter, MODULE, own_pid=4, now=50.0)
     assert (first["api_server_pid"], first["engine_core_pid"]) == (100, 102)
     assert first["engine_core_main_thread_pct"] is None  # nothing to compare with yet
     _server(proc, step=12)  # two seconds later
-    second = host_sampler.sample(proc, meter, MODULE, own_pid=4, now=52.0)
+    second = host_sampler.sample(meter, MODULE, own_pid=4, now=52.0)
     assert second == {
         "api_server_pid": 100,
         "engine_core_pid": 102,
@@ -95,6 +111,9 @@ def test_cpu_use_on_a_hand_made_proc(tmp_path):
         "engine_core_cpu_pct": pytest.approx(125.0),
         "engine_core_main_thread_pct": pytest.approx(90.0),
         "engine_core_busiest_other_thread_pct": pytest.approx(35.0),
+        "engine_core_main_thread_runqueue_wait_pct": pytest.approx(10.0),
+        "machine_cpu_busy_pct": pytest.approx(40.0),
+        "machine_cpu_steal_pct": pytest.approx(5.0),
     }
 
 
@@ -103,25 +122,42 @@ def test_a_restarted_engine_core_starts_over(tmp_path):
     reading, so its first sample is empty rather than a difference of two processes."""
     proc = tmp_path / "proc"
     _server(proc, step=10)
-    meter = host_sampler.CpuMeter(clock_ticks_per_s=100)
-    host_sampler.sample(proc, meter, MODULE, own_pid=4, now=50.0)
+    meter = host_sampler.HostMeter(proc, clock_ticks_per_s=100)
+    host_sampler.sample(meter, MODULE, own_pid=4, now=50.0)
     for pid in (100, 101, 102, 7):
         for path in sorted((proc / str(pid)).rglob("*"), reverse=True):
             path.rmdir() if path.is_dir() else path.unlink()
         (proc / str(pid)).rmdir()
     _server(proc, step=1, engine_start=5000)
-    row = host_sampler.sample(proc, meter, MODULE, own_pid=4, now=51.0)
+    row = host_sampler.sample(meter, MODULE, own_pid=4, now=51.0)
     assert row["engine_core_pid"] == 102
     assert row["engine_core_main_thread_pct"] is None
     assert row["engine_core_busiest_other_thread_pct"] is None
+    assert row["engine_core_main_thread_runqueue_wait_pct"] is None
 
 
 def test_no_server_gives_empty_cells(tmp_path):
     proc = tmp_path / "proc"
     _process(proc, 7, 1, ["python3", "-c", f"print('-m {MODULE}')"], {7: 5})
-    meter = host_sampler.CpuMeter(clock_ticks_per_s=100)
-    row = host_sampler.sample(proc, meter, MODULE, own_pid=4, now=1.0)
-    assert row == {"api_server_pid": None, "engine_core_pid": None}
+    meter = host_sampler.HostMeter(proc, clock_ticks_per_s=100)
+    row = host_sampler.sample(meter, MODULE, own_pid=4, now=1.0)
+    assert row == {
+        "api_server_pid": None,
+        "engine_core_pid": None,
+        "machine_cpu_busy_pct": None,  # no /proc/stat in this tree
+        "machine_cpu_steal_pct": None,
+    }
+
+
+def test_a_kernel_without_schedstats_leaves_the_wait_empty(tmp_path):
+    proc = tmp_path / "proc"
+    meter = host_sampler.HostMeter(proc, clock_ticks_per_s=100)
+    for now, ticks in ((1.0, 100), (2.0, 190)):
+        _process(proc, 100, 1, ["python3", "-m", MODULE], {100: 1})
+        _process(proc, 102, 100, ["VLLM::EngineCore"], {102: ticks})  # schedstat all zeros
+        row = host_sampler.sample(meter, MODULE, own_pid=4, now=now)
+    assert row["engine_core_main_thread_pct"] == pytest.approx(90.0)
+    assert row["engine_core_main_thread_runqueue_wait_pct"] is None
 
 
 def test_without_a_title_the_busiest_child_is_the_engine_core(tmp_path):
@@ -132,6 +168,16 @@ def test_without_a_title_the_busiest_child_is_the_engine_core(tmp_path):
     _process(proc, 111, 100, ["python3", "-c", "resource_tracker"], {111: 3})
     found = host_sampler.find_server(proc, MODULE, own_pid=4)
     assert found == host_sampler.ServerProcesses(api_server=100, engine_core=110)
+
+
+def test_the_resource_tracker_is_never_the_engine_core(tmp_path):
+    """When the engine core has exited, the tracker that outlives it is not taken for it."""
+    proc = tmp_path / "proc"
+    _process(proc, 100, 1, ["python3", "-m", MODULE], {100: 10})
+    tracker = ["python3", "-B", "-c", "from multiprocessing.resource_tracker import main;main(31)"]
+    _process(proc, 111, 100, tracker, {111: 3})
+    found = host_sampler.find_server(proc, MODULE, own_pid=4)
+    assert found == host_sampler.ServerProcesses(api_server=100, engine_core=None)
 
 
 FAKE_SERVER = """
@@ -202,6 +248,11 @@ def test_live_processes(tmp_path):
     assert state.engine_core_main_pct_p50 is not None and state.engine_core_main_pct_p50 > 30
     assert state.api_server_pct_p50 is not None and state.api_server_pct_p50 < 10
     assert state.engine_core_other_pct_p50 is not None and state.engine_core_other_pct_p50 < 10
+    # The machine's CPUs held at least the two spinning processes' half cores.
+    stat_lines = Path("/proc/stat").read_text().splitlines()
+    cpus = sum(line.startswith("cpu") and line[3].isdigit() for line in stat_lines)
+    assert state.machine_busy_pct_p50 is not None
+    assert state.machine_busy_pct_p50 > 100 * 2 * 0.5 / cpus * 0.9
 
 
 def test_refuses_what_it_cannot_write(tmp_path, capsys):

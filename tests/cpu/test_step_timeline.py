@@ -233,11 +233,11 @@ def test_each_level_gets_the_hosts_cpu_use_of_its_own_window(tmp_path, capsys):
     (path / "decode-32k-c64-c64-round1.json").write_text(json.dumps(second))
     header = ",".join(host_sampler.COLUMNS)
     rows = [
-        "2026/12/04 20:00:01.000,,,,,,,",  # before the server
-        "2026/12/04 20:00:06.000,10,11,40.0,30.0,,,",  # the engine core's first sample
-        "2026/12/04 20:00:07.000,10,11,45.5,40.0,130.0,99.0,20.0",
-        "2026/12/04 20:00:08.000,10,11,50.5,41.0,140.0,97.0,30.0",
-        "2026/12/04 20:00:27.000,10,11,12.0,3.0,110.0,62.0,8.0",
+        "2026/12/04 20:00:01.000,,,,,,,,,,",  # before the server
+        "2026/12/04 20:00:06.000,10,11,40.0,30.0,,,,,12.0,0.0",  # the engine core's first
+        "2026/12/04 20:00:07.000,10,11,45.5,40.0,130.0,99.0,20.0,4.0,13.0,0.5",
+        "2026/12/04 20:00:08.000,10,11,50.5,41.0,140.0,97.0,30.0,6.0,14.0,1.0",
+        "2026/12/04 20:00:27.000,10,11,12.0,3.0,110.0,62.0,8.0,30.0,99.0,40.0",
     ]
     (rounds / "host.csv").write_text("\n".join([header, *rows]) + "\n")
     with tarfile.open(tmp_path / "rounds.tar.gz", "w:gz") as archive:
@@ -259,7 +259,9 @@ def test_each_level_gets_the_hosts_cpu_use_of_its_own_window(tmp_path, capsys):
     assert "GPU busy % p50" not in table
     assert (
         "| API server CPU % p50 | engine core main thread CPU % p50 "
-        "| engine core busiest other thread CPU % p50 |" in table
+        "| engine core busiest other thread CPU % p50 "
+        "| engine core main thread waiting for a CPU % p50 | machine CPU busy % p50 "
+        "| machine CPU steal % p50 |" in table
     )
-    assert "| 45.5 | 98.0 | 25.0 |" in table
-    assert "| 12.0 | 62.0 | 8.0 |" in table
+    assert "| 45.5 | 98.0 | 25.0 | 5.0 | 13.0 | 0.5 |" in table
+    assert "| 12.0 | 62.0 | 8.0 | 30.0 | 99.0 | 40.0 |" in table
