@@ -196,6 +196,24 @@ def test_probe_refuses_a_build_without_topk(probe, monkeypatch):
     assert probe() == "flashinfer.msa_ops has no msa_topk_select"
 
 
+def test_probe_reports_a_module_that_does_not_import(probe, monkeypatch):
+    """A broken build can raise more than ImportError at import (an OSError loading a
+    library, a RuntimeError from mismatched CUDA bindings): that is the reason, not an
+    exception out of the selection; an ImportError says the same."""
+
+    def broken(name):
+        assert name == "flashinfer.msa_ops"
+        raise RuntimeError("CUDA driver version is insufficient")
+
+    monkeypatch.setattr(fi_utils, "_get_submodule", broken)
+    assert probe() == (
+        "flashinfer.msa_ops does not import (RuntimeError: CUDA driver version is insufficient)"
+    )
+    probe.cache_clear()
+    monkeypatch.setattr(fi_utils, "_get_submodule", lambda name: None)
+    assert probe() == "flashinfer.msa_ops does not import"
+
+
 def test_probe_refuses_a_newer_release_whose_topk_changed(probe, monkeypatch):
     real = _real_msa_ops()
 
