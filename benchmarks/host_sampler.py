@@ -4,12 +4,14 @@
         [--server-module vllm.entrypoints.openai.api_server]
 
 nvidia-smi's ``utilization.gpu`` says that the GPU waited on the host, not on what. A
-one-GPU ``vllm serve`` runs two busy processes: the API server (``python -m SERVER_MODULE``:
-HTTP, tokenization, detokenization) and its engine core (the scheduler's loop, which also
-launches the model's kernels). Each row of OUT.csv gives, over the interval before it, the
-CPU time of
+one-GPU server started as ``python -m SERVER_MODULE`` (as ``eval ab`` runs it on the device;
+a ``vllm serve`` command line is not matched) runs two busy processes: the API server (HTTP,
+tokenization, detokenization) and its engine core (the scheduler's loop, which also launches
+the model's kernels). Each row of OUT.csv gives, over the interval before it, the CPU time of
 
 - the API server, all threads and its main thread (the asyncio loop);
+- the API server's parent, its main thread: in a round, ``eval ab``, whose asyncio loop
+  runs ``vllm bench serve``'s client;
 - the engine core, all threads, its main thread (the busy loop) and its busiest other
   thread;
 
@@ -22,10 +24,13 @@ CPU rather than the loop having more to do.
 The engine core's main thread may read busy while the GPU works too (CUDA's default
 synchronization spins), so it is the GPU's idle stretches that tell: with the main thread
 near 100% the step loop itself held the GPU up; with the main thread idle as well it waited
-for requests, and the API server's columns say whether that process was saturated (near
-100% in its main thread or in all). A cell is empty when there is no such process, or when
-it started within the last interval. The server is looked up again at every sample, so the
-rows follow a round's servers as they stop and start. Sampling stops once PATH exists.
+for requests, and the API server's and the client's columns say whether one of those was
+saturated (a main thread near 100%).
+
+A cell is empty where there is no such process, and in the first reading of each process or
+thread (the sampler's first row, a server that started since the last one). The server is
+looked up again at every sample, so the rows follow a round's servers as they stop and
+start. Sampling stops once PATH exists; if no server was seen by then, it says so on stderr.
 
 The engine core is the API server's child whose command line or name says ``EngineCore``
 (vLLM sets that title when ``setproctitle`` is installed), else its child with the most CPU
@@ -40,7 +45,7 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -53,8 +58,10 @@ COLUMNS = (
     "timestamp",
     "api_server_pid",
     "engine_core_pid",
+    "client_pid",
     "api_server_cpu_pct",
     "api_server_main_thread_pct",
+    "client_main_thread_pct",
     "engine_core_cpu_pct",
     "engine_core_main_thread_pct",
     "engine_core_busiest_other_thread_pct",
@@ -79,6 +86,7 @@ class TaskStat:
 class ServerProcesses:
     api_server: int | None
     engine_core: int | None
+    client: int | None = None  # the API server's parent
 
 
 def read_stat(path: Path) -> TaskStat | None:
@@ -132,6 +140,7 @@ def find_server(proc: Path, module: str, own_pid: int) -> ServerProcesses:
     if not servers:
         return ServerProcesses(api_server=None, engine_core=None)
     api_server = max(servers, key=lambda pid: stats[pid].start_ticks)
+    parent = stats[api_server].ppid
     children = [
         pid
         for pid, stat in stats.items()
@@ -145,7 +154,9 @@ def find_server(proc: Path, module: str, own_pid: int) -> ServerProcesses:
     ]
     candidates = named or children
     engine_core = max(candidates, key=lambda pid: stats[pid].cpu_ticks) if candidates else None
-    return ServerProcesses(api_server=api_server, engine_core=engine_core)
+    return ServerProcesses(
+        api_server=api_server, engine_core=engine_core, client=parent if parent > 1 else None
+    )
 
 
 class RateMeter:
@@ -170,23 +181,29 @@ class RateMeter:
 
 
 class HostMeter:
-    """The figures of one row, from ``/proc`` (or a stand-in tree) and a rate meter."""
+    """The figures of one row, from ``/proc`` (or a stand-in tree) and a rate meter. Each
+    counter is timed by ``clock`` as it is read, so that a slow scan of ``/proc`` does not
+    skew the rates."""
 
-    def __init__(self, proc: Path, clock_ticks_per_s: int) -> None:
+    def __init__(
+        self, proc: Path, clock_ticks_per_s: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.proc = proc
         self._ticks_per_s = clock_ticks_per_s
+        self._clock = clock
         self._rates = RateMeter()
 
-    def cpu_pct(self, stat_path: Path, now: float) -> float | None:
+    def cpu_pct(self, stat_path: Path) -> float | None:
         """A task's CPU use in percent of one core (a task is told apart from a later one at
         the same path by its start time)."""
         stat = read_stat(stat_path)
+        now = self._clock()
         if stat is None:
             return None
         per_s = self._rates.rate(("cpu", stat_path, stat.start_ticks), stat.cpu_ticks, now)
         return None if per_s is None else 100.0 * per_s / self._ticks_per_s
 
-    def runqueue_wait_pct(self, task: Path, now: float) -> float | None:
+    def runqueue_wait_pct(self, task: Path) -> float | None:
         """The share of the time a thread was ready to run but waited for a CPU, from its
         ``schedstat``; None where the kernel does not keep it (the file reads all zeros)."""
         stat = read_stat(task / "stat")
@@ -195,12 +212,13 @@ class HostMeter:
             on_cpu_ns, waited_ns = int(fields[0]), int(fields[1])
         except (OSError, IndexError, ValueError):
             return None
+        now = self._clock()
         if stat is None or (on_cpu_ns == 0 and waited_ns == 0):
             return None
         per_s = self._rates.rate(("wait", task, stat.start_ticks), waited_ns, now)
         return None if per_s is None else 100.0 * per_s / 1e9
 
-    def machine_pcts(self, now: float) -> tuple[float | None, float | None]:
+    def machine_pcts(self) -> tuple[float | None, float | None]:
         """The whole machine's CPU time that was busy, and that the hypervisor took (steal),
         in percent of all its CPUs, from the first line of ``/proc/stat``."""
         try:
@@ -208,6 +226,7 @@ class HostMeter:
             ticks = [int(field) for field in line.split()[1:9]]
         except (OSError, IndexError, ValueError):
             return None, None
+        now = self._clock()
         ticks += [0] * (8 - len(ticks))
         idle, steal, total = ticks[3] + ticks[4], ticks[7], sum(ticks)
         rates = [
@@ -223,34 +242,35 @@ class HostMeter:
         self._rates.next_sample()
 
 
-def sample(
-    meter: HostMeter, module: str, own_pid: int, now: float
-) -> dict[str, float | int | None]:
+def sample(meter: HostMeter, module: str, own_pid: int) -> dict[str, float | int | None]:
     """One row's values, less the timestamp."""
     proc = meter.proc
     server = find_server(proc, module, own_pid)
     row: dict[str, float | int | None] = {
         "api_server_pid": server.api_server,
         "engine_core_pid": server.engine_core,
+        "client_pid": server.client,
     }
-    row["machine_cpu_busy_pct"], row["machine_cpu_steal_pct"] = meter.machine_pcts(now)
-    for prefix, pid in (("api_server", server.api_server), ("engine_core", server.engine_core)):
+    row["machine_cpu_busy_pct"], row["machine_cpu_steal_pct"] = meter.machine_pcts()
+    for prefix, pid in (
+        ("api_server", server.api_server),
+        ("client", server.client),
+        ("engine_core", server.engine_core),
+    ):
         if pid is None:
             continue
-        row[f"{prefix}_cpu_pct"] = meter.cpu_pct(proc / str(pid) / "stat", now)
         main_thread = proc / str(pid) / "task" / str(pid)
-        row[f"{prefix}_main_thread_pct"] = meter.cpu_pct(main_thread / "stat", now)
-        if prefix == "engine_core":
-            row["engine_core_main_thread_runqueue_wait_pct"] = meter.runqueue_wait_pct(
-                main_thread, now
-            )
+        row[f"{prefix}_main_thread_pct"] = meter.cpu_pct(main_thread / "stat")
+        if prefix != "client":
+            row[f"{prefix}_cpu_pct"] = meter.cpu_pct(proc / str(pid) / "stat")
     if server.engine_core is not None:
-        tasks = proc / str(server.engine_core) / "task"
+        main_thread = proc / str(server.engine_core) / "task" / str(server.engine_core)
+        row["engine_core_main_thread_runqueue_wait_pct"] = meter.runqueue_wait_pct(main_thread)
         try:
-            others = [entry for entry in tasks.iterdir() if entry.name != str(server.engine_core)]
+            others = [entry for entry in main_thread.parent.iterdir() if entry != main_thread]
         except OSError:
             others = []
-        readings = [meter.cpu_pct(entry / "stat", now) for entry in others]
+        readings = [meter.cpu_pct(entry / "stat") for entry in others]
         measured = [reading for reading in readings if reading is not None]
         row["engine_core_busiest_other_thread_pct"] = max(measured) if measured else None
     meter.next_sample()
@@ -270,21 +290,22 @@ def run(
     module: str,
     proc: Path = Path("/proc"),
 ) -> int:
-    """Write rows to ``out`` until ``stop_file`` exists; returns the number written."""
+    """Write rows to ``out`` until ``stop_file`` exists; returns the number of rows that
+    found the server."""
     meter = HostMeter(proc, os.sysconf("SC_CLK_TCK"))
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(COLUMNS)
     out.flush()
-    written = 0
+    found = 0
     while not stop_file.exists():
         began = time.monotonic()
-        values = sample(meter, module, os.getpid(), began)
+        values = sample(meter, module, os.getpid())
         stamp = datetime.now().strftime(TIMESTAMP_FORMAT)[:-3]
         writer.writerow([stamp, *(_cell(values.get(column)) for column in COLUMNS[1:])])
         out.flush()
-        written += 1
+        found += values["api_server_pid"] is not None
         time.sleep(max(0.0, interval_s - (time.monotonic() - began)))
-    return written
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -309,7 +330,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"host_sampler: cannot write {args.out}: {error}", file=sys.stderr)
         return 2
     with handle:
-        run(handle, args.stop_file, args.interval, args.server_module)
+        found = run(handle, args.stop_file, args.interval, args.server_module)
+    if not found:
+        print(
+            f"host_sampler: no process ran python -m {args.server_module} while it sampled",
+            file=sys.stderr,
+        )
     return 0
 
 

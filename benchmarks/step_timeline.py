@@ -23,10 +23,12 @@ SM clock, the median and highest power draw, the median of nvidia-smi's ``utiliz
 (the share of each sample's period in which a kernel ran: below 100 the GPU waited on the
 host), the clock-event reasons that were active (power cap, thermal, hardware slowdown) and
 the host's highest 1-minute load. Where it also holds ``host.csv`` (``benchmarks.host_sampler``,
-run beside it), each level gets the medians of the server's CPU use: the API server's (all
-threads), and the engine core's main thread and busiest other thread, in percent of one core;
-of the share of time the engine core's main thread waited for a CPU; and of the machine's
-CPU time that was busy, and stolen by a hypervisor, in percent of all its CPUs.
+run beside it), each level gets the medians of its figures (HOST_FIGURES): the CPU use of the
+API server, of the client's main thread and of the engine core's main thread and busiest other
+thread, in percent of one core; the share of time the engine core's main thread waited for a
+CPU; and the machine's CPU time that was busy, and stolen by a hypervisor, in percent of all
+its CPUs. A host row covers the second before it, so a level takes the rows from a second
+after its start.
 A level's window is bench's ``date`` (written when the level ended, to the second) less its
 ``duration``.
 """
@@ -96,31 +98,36 @@ class GpuState:
     load_max: float | None
 
 
+# host.csv's figures (benchmarks.host_sampler) that the table gives, with their headers: CPU
+# use in percent of one core, the machine's in percent of all its CPUs.
+HOST_FIGURES = {
+    "api_server_cpu_pct": "API server CPU %",
+    "api_server_main_thread_pct": "API server main thread %",
+    "client_main_thread_pct": "client main thread %",
+    "engine_core_main_thread_pct": "engine core main thread %",
+    "engine_core_busiest_other_thread_pct": "engine core busiest other thread %",
+    "engine_core_main_thread_runqueue_wait_pct": "engine core main thread waiting for a CPU %",
+    "machine_cpu_busy_pct": "machine CPU busy %",
+    "machine_cpu_steal_pct": "machine CPU steal %",
+}
+# A host.csv row covers the second before its time.
+HOST_INTERVAL = timedelta(seconds=1)
+
+
 @dataclass(frozen=True)
 class HostSample:
-    """One line of ``host.csv`` (``benchmarks.host_sampler``); None where a cell is empty."""
+    """One line of ``host.csv``: HOST_FIGURES' values, None where a cell is empty."""
 
     moment: datetime
-    api_server_pct: float | None
-    engine_core_main_pct: float | None
-    engine_core_other_pct: float | None
-    engine_core_wait_pct: float | None
-    machine_busy_pct: float | None
-    machine_steal_pct: float | None
+    figures: dict[str, float | None]
 
 
 @dataclass(frozen=True)
 class HostState:
-    """The server's CPU use over one level's run, in percent of one core (the machine's in
-    percent of all its CPUs)."""
+    """The medians of HOST_FIGURES over one level's run (None where no sample had one)."""
 
     samples: int
-    api_server_pct_p50: float | None
-    engine_core_main_pct_p50: float | None
-    engine_core_other_pct_p50: float | None
-    engine_core_wait_pct_p50: float | None
-    machine_busy_pct_p50: float | None
-    machine_steal_pct_p50: float | None
+    p50: dict[str, float | None]
 
 
 Sample = TypeVar("Sample", GpuSample, HostSample)
@@ -190,28 +197,18 @@ def parse_telemetry(text: str) -> list[GpuSample]:
 
 
 def parse_host(text: str) -> list[HostSample]:
-    """The samples of a ``host.csv``."""
+    """The samples of a ``host.csv``; a row cut short (the file copied while it was being
+    written) is left out."""
     samples = []
     for row in csv.DictReader(io.StringIO(text)):
+        if None in row.values() or None in row:
+            continue
         try:
             moment = datetime.strptime(row["timestamp"], "%Y/%m/%d %H:%M:%S.%f")
         except (KeyError, TypeError, ValueError):
             continue
-        samples.append(
-            HostSample(
-                moment=moment,
-                api_server_pct=_number(row.get("api_server_cpu_pct") or None),
-                engine_core_main_pct=_number(row.get("engine_core_main_thread_pct") or None),
-                engine_core_other_pct=_number(
-                    row.get("engine_core_busiest_other_thread_pct") or None
-                ),
-                engine_core_wait_pct=_number(
-                    row.get("engine_core_main_thread_runqueue_wait_pct") or None
-                ),
-                machine_busy_pct=_number(row.get("machine_cpu_busy_pct") or None),
-                machine_steal_pct=_number(row.get("machine_cpu_steal_pct") or None),
-            )
-        )
+        figures = {name: _number(row.get(name) or None) for name in HOST_FIGURES}
+        samples.append(HostSample(moment=moment, figures=figures))
     return samples
 
 
@@ -261,18 +258,13 @@ def _median(values: Sequence[float | None]) -> float | None:
 def host_state(
     samples: Sequence[HostSample], window: tuple[datetime, datetime]
 ) -> HostState | None:
-    """The samples within ``window``, summarised; None when there are none."""
-    inside = within(samples, window)
+    """The samples that cover only the level's run, summarised; None when there are none."""
+    inside = within(samples, (window[0] + HOST_INTERVAL, window[1]))
     if not inside:
         return None
     return HostState(
         samples=len(inside),
-        api_server_pct_p50=_median([sample.api_server_pct for sample in inside]),
-        engine_core_main_pct_p50=_median([sample.engine_core_main_pct for sample in inside]),
-        engine_core_other_pct_p50=_median([sample.engine_core_other_pct for sample in inside]),
-        engine_core_wait_pct_p50=_median([sample.engine_core_wait_pct for sample in inside]),
-        machine_busy_pct_p50=_median([sample.machine_busy_pct for sample in inside]),
-        machine_steal_pct_p50=_median([sample.machine_steal_pct for sample in inside]),
+        p50={name: _median([sample.figures[name] for sample in inside]) for name in HOST_FIGURES},
     )
 
 
@@ -405,15 +397,8 @@ def _gpu_cells(state: GpuState | None) -> str:
 
 def _host_cells(state: HostState | None) -> str:
     if state is None:
-        return " - | - | - | - | - | - |"
-    return (
-        f" {_one_decimal(state.api_server_pct_p50)} |"
-        f" {_one_decimal(state.engine_core_main_pct_p50)} |"
-        f" {_one_decimal(state.engine_core_other_pct_p50)} |"
-        f" {_one_decimal(state.engine_core_wait_pct_p50)} |"
-        f" {_one_decimal(state.machine_busy_pct_p50)} |"
-        f" {_one_decimal(state.machine_steal_pct_p50)} |"
-    )
+        return " - |" * len(HOST_FIGURES)
+    return "".join(f" {_one_decimal(state.p50[name])} |" for name in HOST_FIGURES)
 
 
 def render(sources: Sequence[Path], found: Sequence[Sequence[StepSummary]]) -> str:
@@ -428,12 +413,7 @@ def render(sources: Sequence[Path], found: Sequence[Sequence[StepSummary]]) -> s
             " SM MHz p50 [min] | power W p50 [max] | GPU busy % p50 | clock events | load max |"
         )
     if with_host:
-        header += (
-            " API server CPU % p50 | engine core main thread CPU % p50"
-            " | engine core busiest other thread CPU % p50"
-            " | engine core main thread waiting for a CPU % p50 | machine CPU busy % p50"
-            " | machine CPU steal % p50 |"
-        )
+        header += "".join(f" {title} p50 |" for title in HOST_FIGURES.values())
     lines = [
         "# Engine steps as the client saw them",
         "",

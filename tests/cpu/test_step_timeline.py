@@ -219,9 +219,19 @@ def test_the_device_scripts_telemetry_parses(tmp_path, reasons_field):
     assert first.load is not None
 
 
+def _host_row(moment: str, **figures: float) -> str:
+    """A host.csv line with ``figures`` (by column name) and every other cell empty."""
+    cells = [moment] + [
+        "" if (value := figures.get(name)) is None else str(value)
+        for name in host_sampler.COLUMNS[1:]
+    ]
+    return ",".join(cells)
+
+
 def test_each_level_gets_the_hosts_cpu_use_of_its_own_window(tmp_path, capsys):
-    """host.csv (benchmarks.host_sampler) is matched to levels as telemetry.csv is; an empty
-    cell (no server yet, or its first sample) is left out of the median."""
+    """host.csv (benchmarks.host_sampler) is matched to levels as telemetry.csv is, less the
+    level's first second (a row covers the second before it); an empty cell (no server yet,
+    or its first sample) is left out of the median, and a row cut short is left out."""
     first, _ = simulate(seed=7, concurrency=4, prefill_steps={})
     second, _ = simulate(seed=8, concurrency=4, prefill_steps={})
     first |= {"date": "20261204-200010", "duration": 5.0}  # ran 20:00:05 to 20:00:10
@@ -231,15 +241,31 @@ def test_each_level_gets_the_hosts_cpu_use_of_its_own_window(tmp_path, capsys):
     path.mkdir(parents=True)
     (path / "prefill-64k-c8-c8-round1.json").write_text(json.dumps(first))
     (path / "decode-32k-c64-c64-round1.json").write_text(json.dumps(second))
-    header = ",".join(host_sampler.COLUMNS)
+    busy = {
+        "api_server_cpu_pct": 45.5,
+        "api_server_main_thread_pct": 40.0,
+        "client_main_thread_pct": 7.0,
+        "engine_core_main_thread_pct": 99.0,
+        "engine_core_busiest_other_thread_pct": 20.0,
+        "engine_core_main_thread_runqueue_wait_pct": 4.0,
+        "machine_cpu_busy_pct": 13.0,
+        "machine_cpu_steal_pct": 0.5,
+    }
     rows = [
-        "2026/12/04 20:00:01.000,,,,,,,,,,",  # before the server
-        "2026/12/04 20:00:06.000,10,11,40.0,30.0,,,,,12.0,0.0",  # the engine core's first
-        "2026/12/04 20:00:07.000,10,11,45.5,40.0,130.0,99.0,20.0,4.0,13.0,0.5",
-        "2026/12/04 20:00:08.000,10,11,50.5,41.0,140.0,97.0,30.0,6.0,14.0,1.0",
-        "2026/12/04 20:00:27.000,10,11,12.0,3.0,110.0,62.0,8.0,30.0,99.0,40.0",
+        _host_row("2026/12/04 20:00:01.000"),  # before the server
+        # the level's first second, which the row's interval mostly precedes
+        _host_row("2026/12/04 20:00:05.500", **{name: 1000.0 for name in busy}),
+        _host_row(  # the engine core's first reading
+            "2026/12/04 20:00:06.000", api_server_cpu_pct=40.0, machine_cpu_busy_pct=12.0
+        ),
+        _host_row("2026/12/04 20:00:07.000", **busy),
+        _host_row("2026/12/04 20:00:08.000", **{name: value + 2 for name, value in busy.items()}),
+        _host_row("2026/12/04 20:00:27.000", **{name: value / 2 for name, value in busy.items()}),
+        "2026/12/04 20:00:28.000,10,11,12,3",  # cut short as the file was copied
     ]
-    (rounds / "host.csv").write_text("\n".join([header, *rows]) + "\n")
+    text = ",".join(host_sampler.COLUMNS) + "\n" + "\n".join(rows) + "\n"
+    (rounds / "host.csv").write_text(text)
+    assert len(step_timeline.parse_host(text)) == 6
     with tarfile.open(tmp_path / "rounds.tar.gz", "w:gz") as archive:
         archive.add(rounds / "flashinfer", arcname="flashinfer")
         archive.add(rounds / "host.csv", arcname="host.csv")
@@ -249,19 +275,24 @@ def test_each_level_gets_the_hosts_cpu_use_of_its_own_window(tmp_path, capsys):
     }
     prefill = by_scenario["prefill-64k-c8"].host
     assert prefill is not None and prefill.samples == 3
-    assert (prefill.api_server_pct_p50, prefill.engine_core_main_pct_p50) == (45.5, 98.0)
-    assert prefill.engine_core_other_pct_p50 == 25.0
+    assert prefill.p50["api_server_cpu_pct"] == 45.5  # of 40.0, 45.5 and 47.5
+    assert prefill.p50["machine_cpu_busy_pct"] == 13.0  # of 12.0, 13.0 and 15.0
+    assert prefill.p50["engine_core_main_thread_pct"] == 100.0  # of 99.0 and 101.0
+    assert prefill.p50["client_main_thread_pct"] == 8.0
     decode = by_scenario["decode-32k-c64"].host
-    assert decode is not None and decode.engine_core_main_pct_p50 == 62.0
+    assert decode is not None and decode.samples == 1
+    assert decode.p50["engine_core_main_thread_pct"] == 49.5
     assert by_scenario["prefill-64k-c8"].gpu is None  # no telemetry.csv in this source
     assert step_timeline.main([str(rounds)]) == 0
     table = capsys.readouterr().out
     assert "GPU busy % p50" not in table
     assert (
-        "| API server CPU % p50 | engine core main thread CPU % p50 "
-        "| engine core busiest other thread CPU % p50 "
+        "| API server CPU % p50 | API server main thread % p50 | client main thread % p50 "
+        "| engine core main thread % p50 | engine core busiest other thread % p50 "
         "| engine core main thread waiting for a CPU % p50 | machine CPU busy % p50 "
         "| machine CPU steal % p50 |" in table
     )
-    assert "| 45.5 | 98.0 | 25.0 | 5.0 | 13.0 | 0.5 |" in table
-    assert "| 12.0 | 62.0 | 8.0 | 30.0 | 99.0 | 40.0 |" in table
+    assert "| 45.5 | 41.0 | 8.0 | 100.0 | 21.0 | 5.0 | 13.0 | 1.5 |" in table
+    assert "| 22.8 | 20.0 | 3.5 | 49.5 | 10.0 | 2.0 | 6.5 | 0.2 |" in table
+    header, rule, *lines = table.splitlines()[4:]
+    assert all(line.count("|") == header.count("|") == rule.count("|") for line in lines)
