@@ -141,16 +141,16 @@ def find_server(proc: Path, module: str, own_pid: int) -> ServerProcesses:
         return ServerProcesses(api_server=None, engine_core=None)
     api_server = max(servers, key=lambda pid: stats[pid].start_ticks)
     parent = stats[api_server].ppid
-    children = [
-        pid
+    commands = {
+        pid: " ".join(read_argv(proc, pid))
         for pid, stat in stats.items()
-        if stat.ppid == api_server and RESOURCE_TRACKER not in " ".join(read_argv(proc, pid))
-    ]
+        if stat.ppid == api_server
+    }
+    children = [pid for pid, command in commands.items() if RESOURCE_TRACKER not in command]
     named = [
         pid
         for pid in children
-        if ENGINE_CORE_NAME in " ".join(read_argv(proc, pid))
-        or ENGINE_CORE_NAME in read_name(proc, pid)
+        if ENGINE_CORE_NAME in commands[pid] or ENGINE_CORE_NAME in read_name(proc, pid)
     ]
     candidates = named or children
     engine_core = max(candidates, key=lambda pid: stats[pid].cpu_ticks) if candidates else None

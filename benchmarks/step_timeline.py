@@ -50,6 +50,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
+from benchmarks.host_sampler import TIMESTAMP_FORMAT
+
 BENCH_NAME = re.compile(
     r"^(?P<arm>[^/]+)/round-(?P<round>\d+)/bench/"
     r"(?P<scenario>.+)-c(?P<concurrency>\d+)-round\d+\.json$"
@@ -173,7 +175,7 @@ def parse_telemetry(text: str) -> list[GpuSample]:
     samples = []
     for row in csv.DictReader(io.StringIO(text), skipinitialspace=True):
         try:
-            moment = datetime.strptime(row["timestamp"], "%Y/%m/%d %H:%M:%S.%f")
+            moment = datetime.strptime(row["timestamp"], TIMESTAMP_FORMAT)
         except (KeyError, TypeError, ValueError):
             continue
         reasons = row.get("clocks_event_reasons.active") or row.get(
@@ -204,7 +206,7 @@ def parse_host(text: str) -> list[HostSample]:
         if None in row.values() or None in row:
             continue
         try:
-            moment = datetime.strptime(row["timestamp"], "%Y/%m/%d %H:%M:%S.%f")
+            moment = datetime.strptime(row["timestamp"], TIMESTAMP_FORMAT)
         except (KeyError, TypeError, ValueError):
             continue
         figures = {name: _number(row.get(name) or None) for name in HOST_FIGURES}
@@ -226,6 +228,11 @@ def within(samples: Sequence[Sample], window: tuple[datetime, datetime]) -> list
     return [sample for sample in samples if window[0] <= sample.moment <= window[1]]
 
 
+def _median(values: Sequence[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
+
+
 def gpu_state(samples: Sequence[GpuSample], window: tuple[datetime, datetime]) -> GpuState | None:
     """The samples within ``window``, summarised; None when there are none."""
     inside = within(samples, window)
@@ -233,26 +240,20 @@ def gpu_state(samples: Sequence[GpuSample], window: tuple[datetime, datetime]) -
         return None
     clocks = [sample.sm_mhz for sample in inside if sample.sm_mhz is not None]
     powers = [sample.power_w for sample in inside if sample.power_w is not None]
-    busy = [sample.busy_pct for sample in inside if sample.busy_pct is not None]
     loads = [sample.load for sample in inside if sample.load is not None]
     seen = 0
     for sample in inside:
         seen |= sample.reasons or 0
     return GpuState(
         samples=len(inside),
-        sm_mhz_p50=statistics.median(clocks) if clocks else None,
+        sm_mhz_p50=_median(clocks),
         sm_mhz_min=min(clocks) if clocks else None,
-        power_w_p50=statistics.median(powers) if powers else None,
+        power_w_p50=_median(powers),
         power_w_max=max(powers) if powers else None,
-        busy_pct_p50=statistics.median(busy) if busy else None,
+        busy_pct_p50=_median([sample.busy_pct for sample in inside]),
         events=tuple(name for bit, name in CLOCK_EVENTS.items() if seen & bit),
         load_max=max(loads) if loads else None,
     )
-
-
-def _median(values: Sequence[float | None]) -> float | None:
-    present = [value for value in values if value is not None]
-    return statistics.median(present) if present else None
 
 
 def host_state(
