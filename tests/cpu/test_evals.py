@@ -495,6 +495,51 @@ def test_stopped_server_fails_at_once_naming_the_url(tmp_path, capsys):
         assert f"no server answers {unreachable}/health" in line and "Connection refused" in line
 
 
+@pytest.mark.parametrize("url", ["http://127.0.0.1:abc", "http://[::1", "", "http://a b"])
+def test_a_base_url_urllib_refuses_is_one_line_naming_it(tmp_path, capsys, url):
+    for kind in ("accuracy", "throughput"):
+        argv = ["eval", kind, "--base-url", url, "--model", "m", "--preset", "cpu-tiny"]
+        assert main([*argv, "--out", str(tmp_path / kind)]) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert f"--base-url {url!r} is not a URL to reach a server at" in line, line
+        assert not (tmp_path / kind).exists()
+
+
+def test_a_report_that_cannot_be_written_leaves_the_runs_own_error(
+    tmp_path, capsys, stand_in_server, monkeypatch
+):
+    """A run that failed keeps its error and its throughput.json when the disk then has no room
+    for throughput.md, and leaves no empty or scratch report behind."""
+    from vllm_minimax.evals import throughput
+    from vllm_minimax.tiny_model import build_tokenizer
+
+    build_tokenizer(tmp_path / "tok")
+    out = tmp_path / "out"
+
+    def failing_run(preset, base_url, model, results_path, *args, **kwargs):
+        results_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = {"preset": "cpu-tiny", "base_url": base_url, "model": model, "scenarios": []}
+        results_path.write_text(json.dumps({**partial, "complete": False}))
+        raise EvalError("the run's own error")
+
+    real_write_text = Path.write_text
+
+    def no_room_for_the_report(self, *args, **kwargs):
+        if self.name.startswith(".throughput.md."):
+            real_write_text(self, "")  # the scratch file exists when the disk runs out
+            raise OSError(28, "No space left on device")
+        return real_write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(throughput, "run_throughput", failing_run)
+    monkeypatch.setattr(Path, "write_text", no_room_for_the_report)
+    argv = ["eval", "throughput", "--base-url", stand_in_server.base_url, "--model", "m"]
+    argv += ["--preset", "cpu-tiny", "--tokenizer", str(tmp_path / "tok"), "--out", str(out)]
+    assert main(argv) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert line.endswith("the run's own error"), line
+    assert sorted(path.name for path in out.iterdir()) == ["throughput.json"]
+
+
 def test_model_the_server_does_not_serve_is_refused(tmp_path, capsys, stand_in_server):
     argv = ["eval", "accuracy", "--base-url", stand_in_server.base_url, "--model", "other"]
     assert main([*argv, "--preset", "cpu-tiny", "--out", str(tmp_path)]) == 2

@@ -39,7 +39,13 @@ from vllm_minimax.evals.accuracy import (
     run_accuracy,
 )
 from vllm_minimax.evals.bench import require_bench
-from vllm_minimax.evals.common import EvalError, progress, read_yaml_mapping, write_json
+from vllm_minimax.evals.common import (
+    EvalError,
+    progress,
+    read_yaml_mapping,
+    write_json,
+    write_text,
+)
 from vllm_minimax.evals.presets import AccuracyPreset, ThroughputPreset
 from vllm_minimax.evals.server import ServedModel, ServerError, VllmServer
 from vllm_minimax.evals.throughput import (
@@ -324,5 +330,5 @@ def write_outputs(ab: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     ab["accuracy_passed"] = all(c["passed"] for entries in comparisons.values() for c in entries)
     write_json(out_dir / "ab.json", ab)
     plots = report.ab_plots(ab, out_dir)
-    (out_dir / "report.md").write_text(report.ab_markdown(ab, plots))
+    write_text(out_dir / "report.md", report.ab_markdown(ab, plots))
     return ab

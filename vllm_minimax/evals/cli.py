@@ -12,6 +12,7 @@ or its cached copy), so the error lists the presets instead of failing later.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import tempfile
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from vllm_minimax.evals import presets, throughput
 from vllm_minimax.evals.accuracy import DEFAULT_Z
-from vllm_minimax.evals.common import EvalError, read_json
+from vllm_minimax.evals.common import EvalError, read_json, write_text
 from vllm_minimax.evals.throughput import (
     DEFAULT_FIRST_BYTE_TIMEOUT_S,
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -302,14 +303,13 @@ def run_eval_accuracy(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
     )
     markdown = report.accuracy_markdown(summary)
-    (args.out / "accuracy.md").write_text(markdown)
+    write_text(args.out / "accuracy.md", markdown)
     print(markdown)
     return 0 if summary.get("baseline", {}).get("passed", True) else 1
 
 
 @eval_command
 def run_eval_throughput(args: argparse.Namespace) -> int:
-    from vllm_minimax.evals import report
     from vllm_minimax.evals.common import progress
     from vllm_minimax.evals.server import check_server
 
@@ -321,17 +321,29 @@ def run_eval_throughput(args: argparse.Namespace) -> int:
     progress(f"loading the tokenizer {args.tokenizer or args.model} for the random prompts")
     vocabulary = throughput.Vocabulary.from_tokenizer(args.tokenizer or args.model)
     results_path = args.out / "throughput.json"
+    report_path = args.out / "throughput.md"
     try:
         throughput.run_throughput(
             preset, args.base_url, args.model, results_path, vocabulary,
             repeat=args.repeat, timeouts=timeouts, client=args.client, tokenizer=args.tokenizer,
         )  # fmt: skip
-    finally:
-        if results_path.exists():  # a partial run gets its report too
-            markdown = report.throughput_markdown(read_json(results_path, "results"))
-            (args.out / "throughput.md").write_text(markdown)
-    print((args.out / "throughput.md").read_text())
+    except BaseException:
+        # A partial run gets its report too, unless making it fails: the run's own error is
+        # the one to report, and throughput.json keeps every finished level either way.
+        if results_path.exists():
+            with contextlib.suppress(Exception):
+                write_text(report_path, throughput_report(results_path))
+        raise
+    markdown = throughput_report(results_path)
+    write_text(report_path, markdown)
+    print(markdown)
     return 0
+
+
+def throughput_report(results_path: Path) -> str:
+    from vllm_minimax.evals import report
+
+    return report.throughput_markdown(read_json(results_path, "results"))
 
 
 @eval_command

@@ -28,21 +28,26 @@ def require(*modules: str) -> None:
         )
 
 
-def write_json(path: Path, data: Any) -> Path:
-    """Write ``data`` as JSON atomically, so a run killed mid-write keeps the previous file.
+def write_text(path: Path, text: str) -> Path:
+    """Write ``text`` atomically, so a run killed mid-write keeps the previous file.
 
     A failed write leaves no scratch file, and its OSError names ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        scratch.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        scratch.write_text(text)
         scratch.replace(path)
     except BaseException as error:
         scratch.unlink(missing_ok=True)
-        if isinstance(error, OSError) and error.filename is None:
+        if isinstance(error, OSError) and error.filename in (None, str(scratch)):
             raise OSError(error.errno, error.strerror, str(path)) from error
         raise
     return path
+
+
+def write_json(path: Path, data: Any) -> Path:
+    """Write ``data`` as JSON atomically (`write_text`)."""
+    return write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def read_json(path: Path, what: str) -> Any:

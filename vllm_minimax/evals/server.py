@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import http.client
 import json
 import os
 import shlex
@@ -102,7 +103,12 @@ def check_server(base_url: str, model: str, timeout: float = 10.0) -> ServedMode
             status = response.status
     except urllib.error.HTTPError as error:
         status = error.code
-    except (urllib.error.URLError, OSError) as error:
+    except (ValueError, http.client.InvalidURL) as error:  # urllib's refusal of the URL itself
+        raise ServerError(
+            f"--base-url {base_url!r} is not a URL to reach a server at ({error}); fix --base-url,"
+            " e.g. http://127.0.0.1:8000"
+        ) from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
         reason = getattr(error, "reason", error)
         raise ServerError(
             f"no server answers {base_url}/health ({reason}); start one first"
@@ -113,7 +119,14 @@ def check_server(base_url: str, model: str, timeout: float = 10.0) -> ServedMode
     try:
         listing = _get_json(f"{base_url}/v1/models", timeout)
         entries = [entry for entry in listing["data"] if isinstance(entry, dict)]
-    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as error:
+    except (
+        urllib.error.URLError,
+        OSError,
+        http.client.HTTPException,
+        ValueError,
+        KeyError,
+        TypeError,
+    ) as error:
         raise ServerError(
             f"{base_url}/v1/models did not list the served models ({error}); is this a vLLM"
             " OpenAI-compatible server?"
