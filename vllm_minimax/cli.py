@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -271,25 +272,39 @@ def print_litter(removed: list[str]) -> None:
 
 def run_apply(args: argparse.Namespace) -> int:
     result = apply_series(args.target)
-    print_litter(result.litter_removed)
     if result.already_applied:
+        print_litter(result.litter_removed)
         print(f"already applied: {result.series_dir.name} on {result.root}; nothing changed")
         return 0
-    print(f"applied {result.series_dir.name} to {result.root} (vLLM {result.vllm_version})")
-    for path in result.changed:
-        print(f"  patched  {path}")
+    with interrupt_after_writing(f"{result.series_dir.name} is applied to {result.root}"):
+        print_litter(result.litter_removed)
+        print(f"applied {result.series_dir.name} to {result.root} (vLLM {result.vllm_version})")
+        for path in result.changed:
+            print(f"  patched  {path}")
     return 0
 
 
 def run_revert(args: argparse.Namespace) -> int:
     result = revert_series(args.target)
-    print_litter(result.litter_removed)
-    print(f"reverted {result.series} on {result.root}")
-    for path in result.restored:
-        print(f"  restored {path}")
-    for path in result.removed:
-        print(f"  removed  {path}")
+    with interrupt_after_writing(f"{result.series} is reverted on {result.root}"):
+        print_litter(result.litter_removed)
+        print(f"reverted {result.series} on {result.root}")
+        for path in result.restored:
+            print(f"  restored {path}")
+        for path in result.removed:
+            print(f"  removed  {path}")
     return 0
+
+
+@contextlib.contextmanager
+def interrupt_after_writing(done: str) -> Iterator[None]:
+    """Ctrl-C while a finished apply or revert reports what it wrote: say that it finished."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"interrupted while reporting, after the writes finished: {done}"
+        ) from None
 
 
 def run_status(args: argparse.Namespace) -> int:

@@ -112,6 +112,41 @@ def test_second_apply_changes_nothing(
     assert tree_manifest(small_target) == applied
 
 
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_ctrl_c_while_reporting_says_the_writes_finished(
+    small_target: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+) -> None:
+    """Ctrl-C once apply or revert has written (its report's print blocked on a full pipe, say)
+    says what the tree now is, not that nothing was changed."""
+    from vllm_minimax import cli
+
+    pristine = tree_manifest(small_target)
+    if command == "revert":
+        patchset.apply_series(small_target)
+
+    def print_interrupted_on_stdout(*args: object, **kwargs: object) -> None:
+        if "file" not in kwargs:
+            raise KeyboardInterrupt
+        print(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(cli, "print", print_interrupted_on_stdout, raising=False)
+    code, out, err = run_cli(capsys, command, "--target", str(small_target))
+    assert (code, out) == (130, "")
+    done = "applied to" if command == "apply" else "reverted on"
+    assert err == (
+        "vllm-minimax: interrupted while reporting, after the writes finished: vllm-0.34.0 is"
+        f" {done} {small_target.resolve()}\n"
+    )
+    state = series_state(small_target)
+    if command == "apply":
+        assert state.applied and state.clean
+    else:
+        assert not state.applied and tree_manifest(small_target) == pristine
+
+
 def test_revert_restores_bytes_and_modes(
     small_target: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
