@@ -62,12 +62,19 @@ def main(args: argparse.Namespace) -> int:
         sys.path.insert(0, str(state.target))
     dtype = args.indexer_kv_dtype or "bf16"
     topk_blocks = 16 if args.topk_blocks is None else args.topk_blocks
-    selection = probe.select_indexer(
-        indexer_kv_dtype=dtype,
-        topk_blocks=topk_blocks,
-        indexer_backend=args.indexer_backend,
-        capability=capability,
-    )
+    try:
+        selection = probe.select_indexer(
+            indexer_kv_dtype=dtype,
+            topk_blocks=topk_blocks,
+            indexer_backend=args.indexer_backend,
+            capability=capability,
+        )
+    except Exception as exc:  # a vLLM that does not import is a finding, like a broken FlashInfer
+        print(
+            f"indexer:      not checked: vLLM at {state.target} failed to import or to run its"
+            f" selection ({type(exc).__name__}: {exc})"
+        )
+        return 1
     if capability is not None:
         where = f"simulated compute capability {capability[0]}.{capability[1]}"
     elif real_capability is not None:

@@ -351,3 +351,24 @@ def test_status_help_documents_the_exit_codes(capsys: pytest.CaptureFixture[str]
     assert "exit status:" in out
     for line in ("0  the series for this vLLM is applied", "1  not applied", "2  anything else"):
         assert line in out, out
+
+
+def test_doctor_on_a_vllm_that_does_not_import_is_one_finding(small_target: Path) -> None:
+    """A tree whose vLLM cannot import (here: only the series' files) gets doctor's one line
+    and exit 1, in a fresh interpreter so that the installed vLLM is not already imported."""
+    assert main(["apply", "--target", str(small_target)]) == 0
+    doctor = ["doctor", "--target", str(small_target), "--capability", "9.0"]
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm_minimax", *doctor],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith(
+        f"indexer:      not checked: vLLM at {small_target.resolve()} failed to import or to run"
+        " its selection (ModuleNotFoundError: "
+    ), last
