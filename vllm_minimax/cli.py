@@ -33,7 +33,7 @@ PROGRAM = "vllm-minimax"
 
 STATUS_EXIT_CODES = """exit status:
   0  the series for this vLLM is applied and every file it touched is as it left it
-  1  not applied: the tree is pristine and the series would apply
+  1  not applied, and the series would apply (each file's line says whether it is vLLM's)
   2  anything else: no series for this vLLM version, the series does not apply, files
      edited or half-applied since apply, a changed series, or an error"""
 

@@ -123,6 +123,9 @@ class Patch:
     paths: tuple[str, ...]
     created: frozenset[str]
     deleted: frozenset[str]
+    # Each path's git blob id before this patch, as abbreviated in its ``index`` line
+    # (all zeros for a file the patch creates); absent where the patch has no index line.
+    preimages: dict[str, str] = field(default_factory=dict)
 
 
 def read_series(series_dir: Path) -> list[Patch]:
@@ -145,6 +148,7 @@ def read_series(series_dir: Path) -> list[Patch]:
                 paths=paths,
                 created=created,
                 deleted=deleted,
+                preimages=parse_preimages(data),
             )
         )
     return patches
@@ -168,6 +172,28 @@ def parse_series_file(text: str) -> list[str]:
 
 
 _DIFF_GIT = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
+_INDEX = re.compile(r"^index ([0-9a-f]{7,40})\.\.[0-9a-f]{7,40}(?: [0-7]{6})?$")
+
+
+def parse_preimages(data: bytes) -> dict[str, str]:
+    """Each path's abbreviated git blob id before the patch, from its ``index`` line."""
+    preimages: dict[str, str] = {}
+    current: str | None = None
+    for raw in data.decode("utf-8", errors="replace").splitlines():
+        if match := _DIFF_GIT.match(raw):
+            current = match.group(1)
+        elif current is not None and (match := _INDEX.match(raw)):
+            preimages[current] = match.group(1)
+            current = None
+        elif raw.startswith("@@"):
+            current = None
+    return preimages
+
+
+def git_blob_id(content: bytes) -> str:
+    """The id git gives ``content`` as a blob (what a patch's ``index`` line abbreviates)."""
+    header = b"blob %d\0" % len(content)
+    return hashlib.sha1(header + content, usedforsecurity=False).hexdigest()
 
 
 def parse_patch_paths(
@@ -1246,8 +1272,8 @@ def series_state(target: Path | None = None, patches_dir: Path | None = None) ->
 
     Applied (state file present): each recorded file is "as-applied", "pristine" (back to its
     original), "edited" or "missing". Not applied: each file the series would touch is
-    "pristine" when the whole series would apply, otherwise files named by git apply's error are
-    "edited" (or "missing"); ``problem`` then holds the error.
+    "pristine", "edited" or "missing" against the blob the series' patches were made on, and
+    ``problem`` holds the error when the series would not apply.
     """
     root = find_vllm_root(target)
     with target_lock(root, exclusive=False):
@@ -1281,20 +1307,29 @@ def _series_state(root: Path, patches_dir: Path | None) -> SeriesState:
         problem = f"no patch series for vLLM {version}; supported: {supported}"
         return SeriesState(root, version, None, False, [], problem=problem)
     patches = read_series(series_dir)
-    paths = touched_paths(patches)
+    files = [(path, unapplied_file_state(root, path, patches)) for path in touched_paths(patches)]
     try:
         stage_series(root, patches)
     except PatchError as error:
-        message = str(error)
-        blamed = set(re.findall(r"(vllm/[^\s:,]+)", message.split("git apply said:", 1)[-1]))
-        files: list[tuple[str, FileState]] = []
-        for path in paths:
-            if path in blamed:
-                files.append((path, "edited" if (root / path).exists() else "missing"))
-            else:
-                files.append((path, "pristine"))
-        return SeriesState(root, version, series_dir, False, files, problem=message)
-    return SeriesState(root, version, series_dir, False, [(path, "pristine") for path in paths])
+        return SeriesState(root, version, series_dir, False, files, problem=str(error))
+    return SeriesState(root, version, series_dir, False, files)
+
+
+def unapplied_file_state(root: Path, path: str, patches: list[Patch]) -> FileState:
+    """``path`` in a tree without the series, against what the first patch touching it expects:
+    "pristine" (vLLM's file, or absent where the series creates it), "edited" or "missing".
+
+    A patch without an ``index`` line for the path leaves only its presence to check."""
+    first = next(patch for patch in patches if path in patch.paths)
+    preimage = first.preimages.get(path)
+    file = root / path
+    if path in first.created or (preimage is not None and not preimage.strip("0")):
+        return "edited" if os.path.lexists(file) else "pristine"
+    if not file.is_file() or file.is_symlink():
+        return "missing"
+    if preimage is None:
+        return "pristine"
+    return "pristine" if git_blob_id(file.read_bytes()).startswith(preimage) else "edited"
 
 
 def format_status(status: SeriesState) -> str:

@@ -101,6 +101,38 @@ def test_status_before_apply_is_pristine(
         assert f"pristine    {path}" in out
 
 
+def test_status_before_apply_names_each_file_that_is_not_vllms(
+    small_target: Path, pristine_vllm: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before apply, each file is checked on its own against the blob the series was made on,
+    not only those git apply blamed first: an edit outside every hunk's context, a deleted
+    file, a replaced file, and a file where the series creates one."""
+    paths = real_series_paths()
+    created = created_paths()
+    modified = [path for path in paths if path not in created]
+    edited_outside_hunks, deleted, replaced = modified[:3]
+    with (small_target / edited_outside_hunks).open("a") as handle:
+        handle.write("# appended by hand\n")
+    (small_target / deleted).unlink()
+    (small_target / replaced).write_text("REPLACED = 1\n")
+    (small_target / created[0]).parent.mkdir(parents=True, exist_ok=True)
+    (small_target / created[0]).write_text("# someone else's\n")
+    expected = {edited_outside_hunks: "edited", deleted: "missing", replaced: "edited"}
+    expected[created[0]] = "edited"
+    code, out, _ = run_cli(capsys, "status", "--target", str(small_target))
+    assert code == 2
+    for path in paths:
+        assert f"  {expected.get(path, 'pristine'):<10}  {path}" in out, out
+    # Only the appended comment: the series still applies, and says which file is not vLLM's.
+    (small_target / created[0]).unlink()
+    for path in (deleted, replaced):
+        (small_target / path).write_bytes((pristine_vllm / path).read_bytes())
+    code, out, _ = run_cli(capsys, "status", "--target", str(small_target))
+    assert code == 1 and "problem:" not in out, out
+    assert f"  edited      {edited_outside_hunks}" in out
+    assert out.count("  pristine    ") == len(paths) - 1
+
+
 def test_second_apply_changes_nothing(
     small_target: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
