@@ -30,6 +30,9 @@ from vllm_minimax.patchset import (
 )
 
 PROGRAM = "vllm-minimax"
+# The commands that work on the vLLM tree the series applies to (an OSError's advice is
+# about that tree); the others write models, checkouts, caches and reports of their own.
+VLLM_TREE_COMMANDS = ("apply", "revert", "status", "doctor")
 
 STATUS_EXIT_CODES = """exit status:
   0  the series for this vLLM is applied and every file it touched is as it left it
@@ -515,7 +518,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         return 2
     except OSError as error:
-        print(f"{PROGRAM}: error: {describe_os_error(error)}", file=sys.stderr)
+        on_vllm_tree = args.command in VLLM_TREE_COMMANDS
+        print(
+            f"{PROGRAM}: error: {describe_os_error(error, vllm_tree=on_vllm_tree)}", file=sys.stderr
+        )
         return 2
     except Interrupted as error:
         print(f"{PROGRAM}: {error}", file=sys.stderr)

@@ -372,3 +372,18 @@ def test_doctor_on_a_vllm_that_does_not_import_is_one_finding(small_target: Path
         f"indexer:      not checked: vLLM at {small_target.resolve()} failed to import or to run"
         " its selection (ModuleNotFoundError: "
     ), last
+
+
+def test_an_os_error_of_make_tiny_model_is_not_blamed_on_the_vllm_install(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused(directory: Path, force: bool) -> None:
+        raise PermissionError(13, "Permission denied", str(directory))
+
+    monkeypatch.setattr(cli, "check_model_directory", refused)
+    assert main(["make-tiny-model", str(tmp_path / "model")]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        f"vllm-minimax: error: permission denied: {tmp_path / 'model'}: run as a user who may"
+        " use it, or choose a path you own"
+    )

@@ -635,6 +635,23 @@ def test_os_error_advice(monkeypatch: pytest.MonkeyPatch, code: int, advice: str
     assert message.startswith(advice), message
 
 
+@pytest.mark.parametrize(
+    ("code", "advice"),
+    [
+        (errno.EACCES, "permission denied: /t/x: run as a user who may use it, or choose a path"),
+        (errno.EROFS, "/t/x is on a read-only file system: remount it writable or choose a path"),
+        (errno.ENAMETOOLONG, "file name too long: /t/x: use a shorter one"),
+        (errno.ELOOP, "/t/x: Too many levels of symbolic links"),
+    ],
+)
+def test_os_error_advice_off_the_vllm_tree(code: int, advice: str) -> None:
+    """Commands that write their own files (a model, a checkout, a cache) get advice about the
+    path, not about the vLLM install."""
+    message = patchset.describe_os_error(OSError(code, os.strerror(code), "/t/x"), vllm_tree=False)
+    assert message.startswith(advice), message
+    assert "vLLM" not in message and "target" not in message
+
+
 def test_no_space_when_inodes_remain(monkeypatch: pytest.MonkeyPatch) -> None:
     some_inodes = os.statvfs_result((4096, 4096, 100, 0, 0, 1000, 10, 10, 0, 255))
     monkeypatch.setattr(os, "statvfs", lambda _: some_inodes)
