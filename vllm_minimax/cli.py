@@ -325,6 +325,7 @@ def run_doctor(args: argparse.Namespace) -> int:
 def run_dev_checkout(args: argparse.Namespace) -> int:
     from vllm_minimax import devtree
 
+    raise_on_sigterm()  # so that a killed checkout removes what it made
     checkout = devtree.checkout(args.version, args.directory, with_series=not args.pristine)
     print(
         f"checked out vLLM {checkout.version} in {checkout.directory}: pristine tree tagged"

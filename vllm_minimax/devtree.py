@@ -22,7 +22,9 @@ from pathlib import Path
 
 from vllm_minimax.patchset import (
     SERIES_FILE_NAME,
+    Interrupted,
     PatchError,
+    describe_os_error,
     git_executable,
     isolated_git_env,
     parse_series_file,
@@ -226,36 +228,69 @@ def checkout(
     git_executable()
     sdist = fetch_sdist(version)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    extract_sdist(sdist, version, directory)
-    env = fixed_identity_env(directory)
-    git(directory, "init", "--quiet", "--initial-branch=main", env=env)
-    git(directory, "add", "--all", "--force", ".", env=env)
-    git(directory, "commit", "--quiet", "--no-verify", "-m", f"vLLM {version} sdist", env=env)
-    git(directory, "tag", pristine_tag(version), env=env)
-    if names:
-        # Authors and author dates come from the patches; the committer is fixed.
-        am_env = dict(env)
-        for key in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_AUTHOR_DATE"):
-            am_env.pop(key)
-        completed = git(
-            directory,
-            "am",
-            "--quiet",
-            "--keep-cr",
-            "--keep-non-patch",
-            *[str(series_dir / name) for name in names],
-            env=am_env,
-            check=False,
-        )
-        if completed.returncode != 0:
-            git(directory, "am", "--abort", env=am_env, check=False)
-            raise PatchError(
-                f"`git am` of the series failed in {directory} (the pristine tree is committed"
-                f" and tagged {pristine_tag(version)}):\n"
-                + (completed.stderr or completed.stdout).strip()
-            )
+    existed = directory.exists()
+    try:
+        extract_sdist(sdist, version, directory)
+        env = fixed_identity_env(directory)
+        git(directory, "init", "--quiet", "--initial-branch=main", env=env)
+        git(directory, "add", "--all", "--force", ".", env=env)
+        git(directory, "commit", "--quiet", "--no-verify", "-m", f"vLLM {version} sdist", env=env)
+        git(directory, "tag", pristine_tag(version), env=env)
+        if names:
+            commit_series(directory, version, series_dir, names, env)
+    except SeriesDoesNotApply:
+        raise
+    except BaseException as error:
+        if not (directory.is_dir() and any(directory.iterdir())):
+            raise
+        # A checkout that failed or was interrupted part way is of no use: no tag, or part of
+        # the series. DIR goes back to what it was (absent or empty), so that a rerun can start.
+        shutil.rmtree(directory, ignore_errors=True)
+        if existed:
+            directory.mkdir(exist_ok=True)
+        removed = f"the partial checkout in {directory} was removed"
+        if isinstance(error, KeyboardInterrupt):
+            raise Interrupted(f"interrupted: {removed}") from None
+        if isinstance(error, OSError):
+            if error.filename is None:  # tarfile's and git's writes do not name the file
+                error = OSError(error.errno, error.strerror, str(directory))
+            raise PatchError(f"{describe_os_error(error, vllm_tree=False)}; {removed}") from None
+        if isinstance(error, PatchError):
+            raise PatchError(f"{error}; {removed}") from None
+        raise
     commits = patch_commits(directory, version)
     return Checkout(directory, version, pristine_tag(version), commits)
+
+
+class SeriesDoesNotApply(PatchError):
+    """`git am` of the series failed; the tagged pristine tree stays for the developer to fix."""
+
+
+def commit_series(
+    directory: Path, version: str, series_dir: Path, names: list[str], env: dict[str, str]
+) -> None:
+    """`git am` the series' patches onto the tagged pristine tree, one commit each."""
+    # Authors and author dates come from the patches; the committer is fixed.
+    am_env = dict(env)
+    for key in ("GIT_AUTHOR_NAME", "GIT_AUTHOR_EMAIL", "GIT_AUTHOR_DATE"):
+        am_env.pop(key)
+    completed = git(
+        directory,
+        "am",
+        "--quiet",
+        "--keep-cr",
+        "--keep-non-patch",
+        *[str(series_dir / name) for name in names],
+        env=am_env,
+        check=False,
+    )
+    if completed.returncode != 0:
+        git(directory, "am", "--abort", env=am_env, check=False)
+        raise SeriesDoesNotApply(
+            f"`git am` of the series failed in {directory} (the pristine tree is committed"
+            f" and tagged {pristine_tag(version)}):\n"
+            + (completed.stderr or completed.stdout).strip()
+        )
 
 
 def extract_sdist(sdist: Path, version: str, directory: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import shutil
 import subprocess
+import tarfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -219,3 +220,63 @@ def test_the_0_33_0_series_round_trips_and_pristine_stops_at_the_tag(tmp_path: P
     )
     assert pristine.patch_commits == []
     assert git_out(bare, "rev-parse", "HEAD").strip() == PRISTINE_COMMIT_0_33_0
+
+
+def tiny_sdist(path: Path, version: str) -> Path:
+    """A gzipped tar shaped like vLLM's sdist: vllm-VERSION/vllm/_version.py and a module."""
+    with tarfile.open(path, "w:gz") as archive:
+        for name, text in [
+            ("vllm/_version.py", f"__version__ = version = '{version}'\n"),
+            ("vllm/a.py", "a = 1\n"),
+        ]:
+            data = text.encode()
+            member = tarfile.TarInfo(f"vllm-{version}/{name}")
+            member.size = len(data)
+            archive.addfile(member, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize("directory_existed", [False, True])
+@pytest.mark.parametrize(
+    ("failure", "message"),
+    [
+        (KeyboardInterrupt(), "interrupted: the partial checkout in {d} was removed"),
+        (OSError(28, "No space left on device"), "no space left on the device of {d}: free"),
+        (PatchError("git commit failed"), "git commit failed; the partial checkout in {d} was"),
+    ],
+)
+def test_a_checkout_that_stops_part_way_leaves_dir_as_it_was(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    failure: BaseException,
+    message: str,
+    directory_existed: bool,
+) -> None:
+    """Interrupted or failed before its tag, a checkout removes what it made, so that the same
+    command can run again; the message says so (and names DIR when the OSError named nothing)."""
+    sdist = tiny_sdist(tmp_path / "vllm-9.9.9.tar.gz", "9.9.9")
+    monkeypatch.setattr(devtree, "fetch_sdist", lambda version: sdist)
+    real_git = devtree.git
+
+    def git_failing_at_commit(directory: Path, *arguments: str, **kwargs: object):
+        if arguments[0] == "commit":
+            raise failure
+        return real_git(directory, *arguments, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(devtree, "git", git_failing_at_commit)
+    directory = tmp_path / "checkout"
+    if directory_existed:
+        directory.mkdir()
+    with pytest.raises((PatchError, KeyboardInterrupt)) as raised:
+        devtree.checkout("9.9.9", directory, with_series=False)
+    assert str(raised.value).startswith(message.format(d=directory)), raised.value
+    if directory_existed:
+        assert directory.is_dir() and not any(directory.iterdir())
+    else:
+        assert not directory.exists()
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        ["vllm-9.9.9.tar.gz", *(["checkout"] if directory_existed else [])]
+    )
+    monkeypatch.setattr(devtree, "git", real_git)
+    made = devtree.checkout("9.9.9", directory, with_series=False)
+    assert made.patch_commits == [] and (directory / "vllm" / "a.py").read_text() == "a = 1\n"
