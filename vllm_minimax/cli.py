@@ -274,6 +274,7 @@ def print_litter(removed: list[str]) -> None:
 
 
 def run_apply(args: argparse.Namespace) -> int:
+    raise_on_sigterm()  # before and after the transaction too, SIGTERM reports like Ctrl-C
     result = apply_series(args.target)
     if result.already_applied:
         print_litter(result.litter_removed)
@@ -288,6 +289,7 @@ def run_apply(args: argparse.Namespace) -> int:
 
 
 def run_revert(args: argparse.Namespace) -> int:
+    raise_on_sigterm()  # before and after the transaction too, SIGTERM reports like Ctrl-C
     result = revert_series(args.target)
     with interrupt_after_writing(f"{result.series} is reverted on {result.root}"):
         print_litter(result.litter_removed)

@@ -179,6 +179,42 @@ def test_ctrl_c_while_reporting_says_the_writes_finished(
         assert not state.applied and tree_manifest(small_target) == pristine
 
 
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_sigterm_before_any_write_says_nothing_was_changed(
+    small_target: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+) -> None:
+    """SIGTERM while apply or revert still reads (before its transaction) exits 130 with the
+    same line as Ctrl-C, not silently."""
+    import signal
+
+    from vllm_minimax import cli
+
+    if command == "revert":
+        patchset.apply_series(small_target)
+    before = tree_manifest(small_target)
+
+    def terminated(target: Path | None) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises before this ends
+        raise AssertionError("SIGTERM did not interrupt")
+
+    def unhandled(signum: int, frame: object) -> None:
+        raise AssertionError(f"{command} left SIGTERM to the process's previous handler")
+
+    monkeypatch.setattr(cli, f"{command}_series", terminated)
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        code, out, err = run_cli(capsys, command, "--target", str(small_target))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (code, out) == (130, "")
+    assert err == "vllm-minimax: interrupted before any write: nothing was changed\n"
+    assert tree_manifest(small_target) == before
+
+
 def test_revert_restores_bytes_and_modes(
     small_target: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
