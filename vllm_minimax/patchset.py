@@ -745,29 +745,40 @@ def stage_series(root: Path, patches: list[Patch]) -> StagedResult:
         if found is not None:
             modes[path] = found[1]
     remove_stale_staging_dirs()
-    with tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{os.getpid()}-") as staging_name:
-        staging = Path(staging_name) / "tree"
-        staging.mkdir()
-        for path, content in before.items():
-            if content is not None:
-                staged = staging / path
-                staged.parent.mkdir(parents=True, exist_ok=True)
-                staged.write_bytes(content)
-        env = isolated_git_env(ceiling=staging.parent)
-        for patch in patches:
-            completed = subprocess.run(
-                [git, "apply", "--whitespace=nowarn", str(patch.path)],
-                cwd=staging,
-                env=env,
-                capture_output=True,
-                text=True,
-            )
-            if completed.returncode != 0:
-                raise PatchError(describe_apply_failure(patch, completed.stderr, root))
-        after = {
-            path: (staging / path).read_bytes() if (staging / path).is_file() else None
-            for path in touched
-        }
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{os.getpid()}-") as staging_name:
+            staging = Path(staging_name) / "tree"
+            staging.mkdir()
+            for path, content in before.items():
+                if content is not None:
+                    staged = staging / path
+                    staged.parent.mkdir(parents=True, exist_ok=True)
+                    try:
+                        staged.write_bytes(content)
+                    except OSError as error:  # a failed write() names no file
+                        raise OSError(error.errno, error.strerror, str(staged)) from error
+            env = isolated_git_env(ceiling=staging.parent)
+            for patch in patches:
+                completed = subprocess.run(
+                    [git, "apply", "--whitespace=nowarn", str(patch.path)],
+                    cwd=staging,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
+                if "No space left on device" in completed.stderr:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(staging))
+                if completed.returncode != 0:
+                    raise PatchError(describe_apply_failure(patch, completed.stderr, root))
+            after = {
+                path: (staging / path).read_bytes() if (staging / path).is_file() else None
+                for path in touched
+            }
+    except OSError as error:
+        raise PatchError(
+            f"could not stage the series under {tempfile.gettempdir()} (set TMPDIR to stage"
+            f" elsewhere): {describe_os_error(error, vllm_tree=False)}; nothing was changed"
+        ) from error
     return StagedResult(before=before, modes=modes, after=after)
 
 

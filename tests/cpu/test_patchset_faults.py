@@ -679,6 +679,49 @@ def test_a_write_that_fills_the_disk_names_the_file_it_was_for(
     assert scene.manifest() == scene.pristine
 
 
+@pytest.mark.parametrize("where", ["copy", "git apply"])
+def test_a_full_tmpdir_is_named_as_the_staging_place(
+    small_target: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    where: str,
+) -> None:
+    """No room under $TMPDIR for the staging copy: the message names the staging directory and
+    TMPDIR, not '(unknown path)' nor a patch that 'does not apply' to the target."""
+    before = tree_manifest(small_target)
+    if where == "copy":
+        real_write_bytes = Path.write_bytes
+
+        def full(path: Path, data: bytes) -> int:
+            if patchset.STAGING_PREFIX in str(path):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write() raises it
+            return real_write_bytes(path, data)
+
+        monkeypatch.setattr(Path, "write_bytes", full)
+    else:
+        real_run = subprocess.run
+
+        def git_apply_out_of_room(command: list[str], *args: Any, **kwargs: Any) -> Any:
+            if "apply" in command:
+                stderr = (
+                    "error: unable to write file 'vllm/x.py' mode 100644: No space left on device\n"
+                )
+                return subprocess.CompletedProcess(command, 128, "", stderr)
+            return real_run(command, *args, **kwargs)
+
+        monkeypatch.setattr(subprocess, "run", git_apply_out_of_room)
+    for command in ("apply", "status"):
+        code = main([command, "--target", str(small_target)])
+        captured = capsys.readouterr()
+        assert code == 2
+        line = one_line(captured.err) if command == "apply" else captured.out.splitlines()[-1]
+        staging = f"{tempfile.gettempdir()}/{patchset.STAGING_PREFIX}"
+        assert f"could not stage the series under {tempfile.gettempdir()} (set TMPDIR" in line
+        assert f"no space left on the device of {staging}" in line, line
+        assert line.endswith("; nothing was changed")
+    assert tree_manifest(small_target) == before
+
+
 def test_a_version_file_with_a_stray_byte_still_gives_the_version(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
