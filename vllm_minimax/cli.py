@@ -372,12 +372,10 @@ def run_make_rank_model(args: argparse.Namespace) -> int:
         if given
     ]
     if ignored:
-        print(
+        raise PatchError(
             f"--geometry {args.geometry} writes MiniMax M3's config without weights;"
-            f" {', '.join(ignored)} would do nothing there",
-            file=sys.stderr,
+            f" {', '.join(ignored)} would do nothing there"
         )
-        return 2
     check_model_directory(args.directory, args.force)
     made = write_directory_whole(
         args.directory, lambda d: tiny_model.make_rank_model(d, args.geometry)
