@@ -491,6 +491,7 @@ def write_directory_whole(directory: Path, write: Callable[[Path], Any]) -> Any:
             number = int(code.group(1))
             raise OSError(number, os.strerror(number), str(directory)) from error
         os.chmod(staging, 0o755)
+        give_files_the_umask_mode(staging)
         if directory.exists() and any(directory.iterdir()):
             old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old.", dir=parent))
             os.rename(directory, old / "contents")
@@ -508,6 +509,16 @@ def write_directory_whole(directory: Path, write: Callable[[Path], Any]) -> Any:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return result
+
+
+def give_files_the_umask_mode(root: Path) -> None:
+    """Give every file under ``root`` the mode ``open()`` gives a new file: safetensors writes
+    its file 0600, which a server running as another user (a container's) could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, 0o666 & ~umask)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ parsing: tests/cpu/patched_vllm/test_tiny_model_config.py)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -319,3 +320,17 @@ def test_033_layout_serves_on_vllm_0340_with_the_same_geometry(tiny_mtp_dir, tin
         assert _rotary_channels(layout_033) == _rotary_channels(default)
         assert layout_033.rope_parameters["rope_theta"] == default.rope_parameters["rope_theta"]
     assert drafts[1].num_mtp_modules == drafts[0].num_mtp_modules == MTP_MODULES
+
+
+def test_every_file_has_the_mode_open_gives(tiny_mtp_dir: Path) -> None:
+    """safetensors writes its files 0600; the model's files are all readable alike (a server in
+    a container may run as another user than the one who made the model)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {
+        path.relative_to(tiny_mtp_dir).as_posix(): path.stat().st_mode & 0o777
+        for path in tiny_mtp_dir.rglob("*")
+        if path.is_file()
+    }
+    assert {"model.safetensors", "mtp/model.safetensors", "config.json"} <= set(modes), modes
+    assert set(modes.values()) == {0o666 & ~umask}, modes
