@@ -620,36 +620,30 @@ def test_name_too_long_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 @pytest.mark.parametrize(
-    ("code", "advice"),
+    ("code", "vllm_tree", "advice"),
     [
-        (errno.ENOSPC, "no free inodes on the file system of /t/x"),
-        (errno.EDQUOT, "disk quota exceeded writing /t/x"),
-        (errno.EACCES, "permission denied: /t/x: the target is not writable by this user"),
-        (errno.EROFS, "/t/x is on a read-only file system"),
+        (errno.ENOSPC, True, "no free inodes on the file system of /t/x"),
+        (errno.EDQUOT, True, "disk quota exceeded writing /t/x"),
+        (errno.EACCES, True, "permission denied: /t/x: the target is not writable by this user"),
+        (errno.EROFS, True, "/t/x is on a read-only file system"),
+        # Commands that write files of their own (a model, a checkout, a cache) get advice
+        # about the path, not about the vLLM install.
+        (errno.EACCES, False, "permission denied: /t/x: run as a user who may use it, or choose"),
+        (errno.EROFS, False, "/t/x is on a read-only file system: remount it writable or choose"),
+        (errno.ENAMETOOLONG, False, "file name too long: /t/x: use a shorter one"),
+        (errno.ELOOP, False, "/t/x: Too many levels of symbolic links"),
     ],
 )
-def test_os_error_advice(monkeypatch: pytest.MonkeyPatch, code: int, advice: str) -> None:
+def test_os_error_advice(
+    monkeypatch: pytest.MonkeyPatch, code: int, vllm_tree: bool, advice: str
+) -> None:
     no_inodes = os.statvfs_result((4096, 4096, 100, 50, 50, 1000, 0, 0, 0, 255))
     monkeypatch.setattr(os, "statvfs", lambda _: no_inodes)
-    message = patchset.describe_os_error(OSError(code, os.strerror(code), "/t/x"))
+    error = OSError(code, os.strerror(code), "/t/x")
+    message = patchset.describe_os_error(error, vllm_tree=vllm_tree)
     assert message.startswith(advice), message
-
-
-@pytest.mark.parametrize(
-    ("code", "advice"),
-    [
-        (errno.EACCES, "permission denied: /t/x: run as a user who may use it, or choose a path"),
-        (errno.EROFS, "/t/x is on a read-only file system: remount it writable or choose a path"),
-        (errno.ENAMETOOLONG, "file name too long: /t/x: use a shorter one"),
-        (errno.ELOOP, "/t/x: Too many levels of symbolic links"),
-    ],
-)
-def test_os_error_advice_off_the_vllm_tree(code: int, advice: str) -> None:
-    """Commands that write their own files (a model, a checkout, a cache) get advice about the
-    path, not about the vLLM install."""
-    message = patchset.describe_os_error(OSError(code, os.strerror(code), "/t/x"), vllm_tree=False)
-    assert message.startswith(advice), message
-    assert "vLLM" not in message and "target" not in message
+    if not vllm_tree:
+        assert "vLLM" not in message and "target" not in message
 
 
 def test_no_space_when_inodes_remain(monkeypatch: pytest.MonkeyPatch) -> None:
