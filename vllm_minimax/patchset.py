@@ -123,9 +123,12 @@ class Patch:
     paths: tuple[str, ...]
     created: frozenset[str]
     deleted: frozenset[str]
-    # Each path's git blob id before this patch, as abbreviated in its ``index`` line
-    # (all zeros for a file the patch creates); absent where the patch has no index line.
-    preimages: dict[str, str] = field(default_factory=dict)
+    # (path, git blob id before this patch) as abbreviated in the path's ``index`` line; all
+    # zeros for a path the patch creates, renames or copies to; paths without one are left out.
+    preimages: tuple[tuple[str, str], ...] = ()
+
+    def preimage(self, path: str) -> str | None:
+        return dict(self.preimages).get(path)
 
 
 def read_series(series_dir: Path) -> list[Patch]:
@@ -139,7 +142,7 @@ def read_series(series_dir: Path) -> list[Patch]:
         if not path.is_file():
             raise PatchError(f"{series_dir / SERIES_FILE_NAME} names {name}, which does not exist")
         data = path.read_bytes()
-        paths, created, deleted = parse_patch_paths(data, name)
+        paths, created, deleted, preimages = parse_patch_paths(data, name)
         patches.append(
             Patch(
                 name=name,
@@ -148,7 +151,7 @@ def read_series(series_dir: Path) -> list[Patch]:
                 paths=paths,
                 created=created,
                 deleted=deleted,
-                preimages=parse_preimages(data),
+                preimages=preimages,
             )
         )
     return patches
@@ -175,34 +178,24 @@ _DIFF_GIT = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
 _INDEX = re.compile(r"^index ([0-9a-f]{7,40})\.\.[0-9a-f]{7,40}(?: [0-7]{6})?$")
 
 
-def parse_preimages(data: bytes) -> dict[str, str]:
-    """Each path's abbreviated git blob id before the patch, from its ``index`` line."""
-    preimages: dict[str, str] = {}
-    current: str | None = None
-    for raw in data.decode("utf-8", errors="replace").splitlines():
-        if match := _DIFF_GIT.match(raw):
-            current = match.group(1)
-        elif current is not None and (match := _INDEX.match(raw)):
-            preimages[current] = match.group(1)
-            current = None
-        elif raw.startswith("@@"):
-            current = None
-    return preimages
-
-
 def git_blob_id(content: bytes) -> str:
     """The id git gives ``content`` as a blob (what a patch's ``index`` line abbreviates)."""
     header = b"blob %d\0" % len(content)
     return hashlib.sha1(header + content, usedforsecurity=False).hexdigest()
 
 
+ABSENT_BLOB = "0000000"
+
+
 def parse_patch_paths(
     data: bytes, patch_name: str
-) -> tuple[tuple[str, ...], frozenset[str], frozenset[str]]:
-    """Return (paths touched, paths created, paths deleted) of a git-style patch."""
+) -> tuple[tuple[str, ...], frozenset[str], frozenset[str], tuple[tuple[str, str], ...]]:
+    """Return (paths touched, paths created, paths deleted, pre-images) of a git-style patch:
+    see `Patch.preimages`."""
     paths: list[str] = []
     created: set[str] = set()
     deleted: set[str] = set()
+    preimages: dict[str, str] = {}
     current: list[str] = []
     in_header = False
     for raw in data.decode("utf-8", errors="replace").splitlines():
@@ -224,6 +217,10 @@ def parse_patch_paths(
             created.add(current[1])
         elif raw.startswith("deleted file mode"):
             deleted.add(current[0])
+        elif raw.startswith(("rename to ", "copy to ")):
+            preimages.setdefault(current[1], ABSENT_BLOB)
+        elif match := _INDEX.match(raw):
+            preimages.setdefault(current[0], match.group(1))
     if not paths:
         raise PatchError(f"{patch_name}: no 'diff --git' sections; is it a git format-patch file?")
     for path in paths:
@@ -233,7 +230,7 @@ def parse_patch_paths(
                 f"{patch_name}: path {path!r} is not under vllm/; a series may only touch the"
                 " vllm package so that it applies to site-packages and source trees alike"
             )
-    return tuple(paths), frozenset(created), frozenset(deleted)
+    return tuple(paths), frozenset(created), frozenset(deleted), tuple(preimages.items())
 
 
 # --------------------------------------------------------------------------------------------
@@ -1278,8 +1275,8 @@ class SeriesState:
 
     @property
     def exit_code(self) -> int:
-        """`vllm-minimax status`'s exit code: 0 applied (cleanly), 1 not applied (pristine, the
-        series would apply), 2 anything else (no series for this version, does not apply,
+        """`vllm-minimax status`'s exit code: 0 applied (cleanly), 1 not applied (the series
+        would apply), 2 anything else (no series for this version, does not apply,
         half-applied or edited files, a changed series)."""
         if self.clean:
             return 0
@@ -1343,12 +1340,14 @@ def unapplied_file_state(root: Path, path: str, patches: list[Patch]) -> FileSta
 
     A patch without an ``index`` line for the path leaves only its presence to check."""
     first = next(patch for patch in patches if path in patch.paths)
-    preimage = first.preimages.get(path)
+    preimage = first.preimage(path)
     file = root / path
     if path in first.created or (preimage is not None and not preimage.strip("0")):
         return "edited" if os.path.lexists(file) else "pristine"
-    if not file.is_file() or file.is_symlink():
+    if not os.path.lexists(file):
         return "missing"
+    if file.is_symlink() or not file.is_file():  # a link or a directory where a file should be
+        return "edited"
     if preimage is None:
         return "pristine"
     return "pristine" if git_blob_id(file.read_bytes()).startswith(preimage) else "edited"

@@ -526,6 +526,40 @@ def test_file_deleted_by_series_is_restored(
     assert tree_manifest(series.target) == before
 
 
+def test_status_before_apply_on_renames_deletions_and_created_then_changed_files(
+    make_series: Callable[..., SyntheticSeries],
+    use_patches_root: Callable[[Path], None],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each path is checked against what its first patch expects: a rename's new path and a
+    created file are expected absent, a deleted or renamed-away file as vLLM's."""
+    alpha = BASE_FILES["vllm/alpha.py"].replace("alpha line 5\n", "alpha line 5 patched\n")
+    series = make_series(
+        BASE_FILES,
+        [
+            ("Rename alpha", {"vllm/alpha.py": None, "vllm/renamed.py": alpha}),
+            ("Drop beta, add gamma", {"vllm/beta.py": None, "vllm/gamma.py": "gamma = 1\n"}),
+            ("Change gamma", {"vllm/gamma.py": "gamma = 2\n"}),
+        ],
+    )
+    assert "rename to vllm/renamed.py" in (series.series_dir / series.patch_names[0]).read_text()
+    use_patches_root(series.patches_root)
+    code, out, _ = run_cli(capsys, "status", "--target", str(series.target))
+    assert code == 1, out
+    paths = ["vllm/alpha.py", "vllm/renamed.py", "vllm/beta.py", "vllm/gamma.py"]
+    for path in paths:
+        assert f"  pristine    {path}" in out, out
+    (series.target / "vllm/beta.py").unlink()
+    (series.target / "vllm/beta.py").symlink_to("alpha.py")
+    (series.target / "vllm/renamed.py").write_text("someone else's\n")
+    (series.target / "vllm/alpha.py").write_text("edited\n")
+    code, out, _ = run_cli(capsys, "status", "--target", str(series.target))
+    assert code == 2
+    for path in paths[:3]:
+        assert f"  edited      {path}" in out, out
+    assert "  pristine    vllm/gamma.py" in out
+
+
 def test_changed_series_revision_asks_for_revert(
     make_series: Callable[..., SyntheticSeries],
     use_patches_root: Callable[[Path], None],
