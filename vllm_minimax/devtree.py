@@ -225,12 +225,14 @@ def checkout(
                 )
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise PatchError(f"{directory} exists and is not an empty directory")
+    existed = directory.exists()
     git_executable()
     sdist = fetch_sdist(version)
     directory.parent.mkdir(parents=True, exist_ok=True)
-    existed = directory.exists()
+    made = False
     try:
         extract_sdist(sdist, version, directory)
+        made = True
         env = fixed_identity_env(directory)
         git(directory, "init", "--quiet", "--initial-branch=main", env=env)
         git(directory, "add", "--all", "--force", ".", env=env)
@@ -241,22 +243,24 @@ def checkout(
     except SeriesDoesNotApply:
         raise
     except BaseException as error:
-        if not (directory.is_dir() and any(directory.iterdir())):
-            raise
-        # A checkout that failed or was interrupted part way is of no use: no tag, or part of
-        # the series. DIR goes back to what it was (absent or empty), so that a rerun can start.
-        shutil.rmtree(directory, ignore_errors=True)
+        if made:
+            # A checkout stopped part way (no tag, or part of the series) is of no use: DIR
+            # goes back to what it was, absent or empty, so that the command can run again.
+            shutil.rmtree(directory, ignore_errors=True)
         if existed:
             directory.mkdir(exist_ok=True)
-        removed = f"the partial checkout in {directory} was removed"
+        if made:
+            outcome = f"the partial checkout in {directory} was removed"
+        else:
+            outcome = f"nothing was written to {directory}"
         if isinstance(error, KeyboardInterrupt):
-            raise Interrupted(f"interrupted: {removed}") from None
+            raise Interrupted(f"interrupted: {outcome}") from None
         if isinstance(error, OSError):
-            if error.filename is None:  # tarfile's and git's writes do not name the file
+            if error.filename is None:  # tarfile's writes name no file
                 error = OSError(error.errno, error.strerror, str(directory))
-            raise PatchError(f"{describe_os_error(error, vllm_tree=False)}; {removed}") from None
+            raise PatchError(f"{describe_os_error(error, vllm_tree=False)}; {outcome}") from None
         if isinstance(error, PatchError):
-            raise PatchError(f"{error}; {removed}") from None
+            raise PatchError(f"{error}; {outcome}") from None
         raise
     commits = patch_commits(directory, version)
     return Checkout(directory, version, pristine_tag(version), commits)

@@ -280,3 +280,37 @@ def test_a_checkout_that_stops_part_way_leaves_dir_as_it_was(
     monkeypatch.setattr(devtree, "git", real_git)
     made = devtree.checkout("9.9.9", directory, with_series=False)
     assert made.patch_commits == [] and (directory / "vllm" / "a.py").read_text() == "a = 1\n"
+
+
+@pytest.mark.parametrize("failure", ["extraction out of room", "DIR filled meanwhile"])
+def test_a_checkout_that_fails_before_writing_dir_leaves_it_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """Extraction runs beside DIR: when it fails (a full disk, whose write() names no file) or
+    DIR gained a file while the sdist downloaded, DIR is left as it is, and the message names
+    DIR and says nothing was written to it."""
+    sdist = tiny_sdist(tmp_path / "vllm-9.9.9.tar.gz", "9.9.9")
+    directory = tmp_path / "checkout"
+    directory.mkdir()
+
+    def fetch(version: str) -> Path:
+        if failure == "DIR filled meanwhile":
+            (directory / "users-work.txt").write_text("keep me\n")
+        return sdist
+
+    def out_of_room(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(devtree, "fetch_sdist", fetch)
+    if failure == "extraction out of room":
+        monkeypatch.setattr(tarfile.TarFile, "extractall", out_of_room)
+    with pytest.raises(PatchError) as raised:
+        devtree.checkout("9.9.9", directory, with_series=False)
+    assert str(raised.value).endswith(f"; nothing was written to {directory}"), raised.value
+    if failure == "extraction out of room":
+        assert str(raised.value).startswith(f"no space left on the device of {directory}: ")
+        assert directory.is_dir() and not any(directory.iterdir())
+    else:
+        assert (directory / "users-work.txt").read_text() == "keep me\n"
+        assert [path.name for path in directory.iterdir()] == ["users-work.txt"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checkout", "vllm-9.9.9.tar.gz"]
