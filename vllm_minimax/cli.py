@@ -276,12 +276,11 @@ def print_litter(removed: list[str]) -> None:
 def run_apply(args: argparse.Namespace) -> int:
     raise_on_sigterm()  # before and after the transaction too, SIGTERM reports like Ctrl-C
     result = apply_series(args.target)
-    if result.already_applied:
-        print_litter(result.litter_removed)
-        print(f"already applied: {result.series_dir.name} on {result.root}; nothing changed")
-        return 0
     with interrupt_after_writing(f"{result.series_dir.name} is applied to {result.root}"):
         print_litter(result.litter_removed)
+        if result.already_applied:
+            print(f"already applied: {result.series_dir.name} on {result.root}; nothing changed")
+            return 0
         print(f"applied {result.series_dir.name} to {result.root} (vLLM {result.vllm_version})")
         for path in result.changed:
             print(f"  patched  {path}")

@@ -763,8 +763,9 @@ def stage_series(root: Path, patches: list[Patch]) -> StagedResult:
                     capture_output=True,
                     text=True,
                 )
-                if "No space left on device" in completed.stderr:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(staging))
+                for code in (errno.ENOSPC, errno.EDQUOT):  # git ran out of room in staging
+                    if os.strerror(code) in completed.stderr:
+                        raise OSError(code, os.strerror(code), str(staging))
                 if completed.returncode != 0:
                     raise PatchError(describe_apply_failure(patch, completed.stderr, root))
             after = {
@@ -772,6 +773,8 @@ def stage_series(root: Path, patches: list[Patch]) -> StagedResult:
                 for path in touched
             }
     except OSError as error:
+        if not str(error.filename or "").startswith(tempfile.gettempdir()):
+            raise  # not the staging copy's (git that does not start, say)
         raise PatchError(
             f"could not stage the series under {tempfile.gettempdir()} (set TMPDIR to stage"
             f" elsewhere): {describe_os_error(error, vllm_tree=False)}; nothing was changed"

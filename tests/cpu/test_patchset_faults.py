@@ -673,12 +673,21 @@ def test_a_write_that_fills_the_disk_names_the_file_it_was_for(
     assert scene.manifest() == scene.pristine
 
 
-@pytest.mark.parametrize("where", ["copy", "git apply"])
+@pytest.mark.parametrize(
+    ("where", "code", "advice"),
+    [
+        ("copy", errno.ENOSPC, "no space left on the device of"),
+        ("git apply", errno.ENOSPC, "no space left on the device of"),
+        ("git apply", errno.EDQUOT, "disk quota exceeded writing"),
+    ],
+)
 def test_a_full_tmpdir_is_named_as_the_staging_place(
     small_target: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     where: str,
+    code: int,
+    advice: str,
 ) -> None:
     """No room under $TMPDIR for the staging copy: the message names the staging directory and
     TMPDIR, not '(unknown path)' nor a patch that 'does not apply' to the target."""
@@ -688,7 +697,7 @@ def test_a_full_tmpdir_is_named_as_the_staging_place(
 
         def full(path: Path, data: bytes) -> int:
             if patchset.STAGING_PREFIX in str(path):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # as write() raises it
+                raise OSError(code, os.strerror(code))  # as write() raises it
             return real_write_bytes(path, data)
 
         monkeypatch.setattr(Path, "write_bytes", full)
@@ -697,21 +706,18 @@ def test_a_full_tmpdir_is_named_as_the_staging_place(
 
         def git_apply_out_of_room(command: list[str], *args: Any, **kwargs: Any) -> Any:
             if "apply" in command:
-                stderr = (
-                    "error: unable to write file 'vllm/x.py' mode 100644: No space left on device\n"
-                )
+                stderr = f"error: unable to write file 'vllm/x.py': {os.strerror(code)}\n"
                 return subprocess.CompletedProcess(command, 128, "", stderr)
             return real_run(command, *args, **kwargs)
 
         monkeypatch.setattr(subprocess, "run", git_apply_out_of_room)
     for command in ("apply", "status"):
-        code = main([command, "--target", str(small_target)])
+        assert main([command, "--target", str(small_target)]) == 2
         captured = capsys.readouterr()
-        assert code == 2
         line = one_line(captured.err) if command == "apply" else captured.out.splitlines()[-1]
         staging = f"{tempfile.gettempdir()}/{patchset.STAGING_PREFIX}"
         assert f"could not stage the series under {tempfile.gettempdir()} (set TMPDIR" in line
-        assert f"no space left on the device of {staging}" in line, line
+        assert f"{advice} {staging}" in line, line
         assert line.endswith("; nothing was changed")
     assert tree_manifest(small_target) == before
 
