@@ -247,12 +247,11 @@ def checkout(
             # A checkout stopped part way (no tag, or part of the series) is of no use: DIR
             # goes back to what it was, absent or empty, so that the command can run again.
             shutil.rmtree(directory, ignore_errors=True)
-        if existed:
-            directory.mkdir(exist_ok=True)
-        if made:
             outcome = f"the partial checkout in {directory} was removed"
         else:
             outcome = f"nothing was written to {directory}"
+        if existed:
+            directory.mkdir(exist_ok=True)
         if isinstance(error, KeyboardInterrupt):
             raise Interrupted(f"interrupted: {outcome}") from None
         if isinstance(error, OSError):
