@@ -773,7 +773,7 @@ def stage_series(root: Path, patches: list[Patch]) -> StagedResult:
                 for path in touched
             }
     except OSError as error:
-        if not str(error.filename or "").startswith(tempfile.gettempdir()):
+        if not Path(str(error.filename or "/")).is_relative_to(tempfile.gettempdir()):
             raise  # not the staging copy's (git that does not start, say)
         raise PatchError(
             f"could not stage the series under {tempfile.gettempdir()} (set TMPDIR to stage"
