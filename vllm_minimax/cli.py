@@ -225,12 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def capability_option(text: str) -> tuple[int, int]:
     """``--capability``: MAJOR.MINOR of a known GPU generation."""
-    known = ", ".join(f"{major}.{minor}" for major, minor in KNOWN_CAPABILITIES)
-    major, separator, minor = text.strip().partition(".")
-    if separator and major.isdigit() and minor.isdigit():
-        capability = (int(major), int(minor))
-        if capability in KNOWN_CAPABILITIES:
-            return capability
+    by_name = {f"{major}.{minor}": (major, minor) for major, minor in KNOWN_CAPABILITIES}
+    capability = by_name.get(text.strip())
+    if capability is not None:
+        return capability
+    known = ", ".join(by_name)
     raise argparse.ArgumentTypeError(
         f"{text!r} is not the MAJOR.MINOR compute capability of a known GPU; one of: {known}"
     )

@@ -234,8 +234,12 @@ def test_make_tiny_model_names_the_parent_it_cannot_write_in(
 
 
 @pytest.mark.parametrize(
-    "value", ["abc", "9", "9.0.1", "-1.0", "99.99", "", " ", "9.", ".0", "9.x", "13.0", "6.1"]
-)
+    "value",
+    [
+        "abc", "9", "9.0.1", "-1.0", "99.99", "", " ", "9.", ".0", "9.x", "13.0", "6.1",
+        "12.01", "09.0", "9.00", "\u00b2.0", "\u0669.0",
+    ],
+)  # fmt: skip
 def test_doctor_refuses_an_unknown_capability(
     value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
