@@ -447,6 +447,12 @@ def check_model_directory(directory: Path, force: bool) -> None:
             raise PatchError(f"{ancestor} is not a directory, so {directory} cannot be made there")
     if not directory.exists():
         return
+    location = real_location(directory)
+    if Path.cwd().resolve().is_relative_to(location):
+        raise PatchError(
+            f"{directory} is or holds the current directory, which replacing it would delete;"
+            f" run the command from outside {directory}"
+        )
     if directory.is_dir() and os.path.ismount(directory):
         raise PatchError(
             f"{directory} is a mount point, which cannot be replaced whole (the model is written"
@@ -460,18 +466,29 @@ def check_model_directory(directory: Path, force: bool) -> None:
         )
 
 
+def real_location(directory: Path) -> Path:
+    """``directory`` as an absolute path with no link or ``..`` above its last component, so
+    that it names the same place after the directory itself is renamed away (``../x`` run from
+    inside ``x`` would not)."""
+    absolute = directory.absolute()
+    if absolute.name == "..":
+        return absolute.resolve()
+    return absolute.parent.resolve() / absolute.name
+
+
 def write_directory_whole(directory: Path, write: Callable[[Path], Any]) -> Any:
     """Run ``write`` on a fresh directory beside ``directory``, then move it into place, so a
     failure leaves ``directory`` as it was (absent, empty, or the old contents).
 
     A writer's I/O failure reported as a Rust ``os error N`` (safetensors, tokenizers) is
     raised as that OSError, naming ``directory``."""
-    parent = directory.absolute().parent
+    target = real_location(directory)
+    parent = target.parent
     created_parents = [p for p in [parent, *parent.parents] if not p.exists()]
     parent.mkdir(parents=True, exist_ok=True)
     try:
         staging = Path(
-            tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".vllm-minimax-tmp", dir=parent)
+            tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".vllm-minimax-tmp", dir=parent)
         )
     except OSError as error:
         raise OSError(error.errno, error.strerror, str(parent)) from error
@@ -490,13 +507,13 @@ def write_directory_whole(directory: Path, write: Callable[[Path], Any]) -> Any:
             raise OSError(number, os.strerror(number), str(directory)) from error
         os.chmod(staging, 0o755)
         give_files_the_umask_mode(staging)
-        if directory.exists() and any(directory.iterdir()):
-            old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.old.", dir=parent))
-            os.rename(directory, old / "contents")
-        os.replace(staging, directory)  # onto an absent or empty directory
+        if target.exists() and any(target.iterdir()):
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=parent))
+            os.rename(target, old / "contents")
+        os.replace(staging, target)  # onto an absent or empty directory
     except BaseException:
-        if old is not None and not directory.exists():
-            os.rename(old / "contents", directory)
+        if old is not None and not target.exists():
+            os.rename(old / "contents", target)
         shutil.rmtree(staging, ignore_errors=True)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

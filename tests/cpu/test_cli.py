@@ -179,6 +179,49 @@ def test_make_tiny_model_failure_leaves_the_directory_as_it_was(
     assert (existing / "config.json").read_text() == "new"
 
 
+def test_make_tiny_model_refuses_to_replace_the_current_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replacing DIR while the shell stands in it would delete the shell's directory, and a
+    relative ``../x`` given from inside ``x`` names nothing once ``x`` is moved aside."""
+    from vllm_minimax import tiny_model
+
+    monkeypatch.setattr(tiny_model, "make_tiny_model", fake_writer(fail=False))
+    existing = tmp_path / "tiny"
+    (existing / "sub").mkdir(parents=True)
+    (existing / "config.json").write_text("old")
+    for cwd, given in [(existing, "../tiny"), (existing, "."), (existing / "sub", "..")]:
+        monkeypatch.chdir(cwd)
+        assert main(["make-tiny-model", "--force", given]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"vllm-minimax: error: {given} is or holds the current directory")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+        assert sorted(p.name for p in existing.iterdir()) == ["config.json", "sub"]
+        assert (existing / "config.json").read_text() == "old"
+    monkeypatch.chdir(tmp_path)
+    assert main(["make-tiny-model", "--force", "tiny/sub/../../tiny"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+    assert (existing / "config.json").read_text() == "new"
+
+
+def test_make_tiny_model_replaces_a_directory_reached_through_a_link(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model lands in the real directory, and the link above it stays a link."""
+    from vllm_minimax import tiny_model
+
+    monkeypatch.setattr(tiny_model, "make_tiny_model", fake_writer(fail=False))
+    real = tmp_path / "real"
+    (real / "tiny").mkdir(parents=True)
+    (real / "tiny" / "config.json").write_text("old")
+    (tmp_path / "link").symlink_to(real)
+    assert main(["make-tiny-model", "--force", str(tmp_path / "link" / "tiny")]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "link").is_symlink()
+    assert sorted(p.name for p in real.iterdir()) == ["tiny"]
+    assert (real / "tiny" / "config.json").read_text() == "new"
+
+
 def test_make_tiny_model_reports_a_rust_writers_full_disk_as_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
