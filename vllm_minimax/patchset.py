@@ -246,8 +246,18 @@ def find_vllm_root(target: Path | None) -> Path:
     """
     if target is not None:
         target = Path(target)
-        if not target.exists():
-            raise PatchError(f"target {target} does not exist")
+        try:
+            target.stat()
+        except FileNotFoundError:
+            if target.is_symlink():
+                raise PatchError(
+                    f"target {target} is a symbolic link to {os.readlink(target)},"
+                    " which does not exist"
+                ) from None
+            raise PatchError(f"target {target} does not exist") from None
+        except OSError as error:
+            # ELOOP, ENOTDIR (a file above it), EACCES: exists() would call these absent.
+            raise PatchError(f"target {target} cannot be reached: {error.strerror}") from None
         if not target.is_dir():
             raise PatchError(f"target {target} is not a directory")
         if (target / "vllm").is_symlink():

@@ -367,6 +367,26 @@ def test_missing_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert not (tmp_path / "nope").exists()
 
 
+def test_unreachable_target_is_named_for_what_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "loop").symlink_to("loop")
+    (tmp_path / "dangling").symlink_to("nowhere")
+    (tmp_path / "file").write_text("x")
+    cases = [
+        ("loop", "cannot be reached: Too many levels of symbolic links"),
+        ("dangling", "is a symbolic link to nowhere, which does not exist"),
+        ("file/sub", "cannot be reached: Not a directory"),
+    ]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for command in ("apply", "revert", "status"):
+        for name, message in cases:
+            code, _, err = run_cli(capsys, command, "--target", str(tmp_path / name))
+            assert_clean_failure(code, err, f"target {tmp_path / name} {message}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert (tmp_path / "file").read_text() == "x"
+
+
 def test_target_without_vllm(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "apply", "--target", str(tmp_path))
     assert_clean_failure(code, err, "has no vllm/ directory")
