@@ -42,6 +42,21 @@ def test_expected_error_has_no_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in completed.stderr
 
 
+def test_a_path_the_terminal_cannot_encode_is_escaped(tmp_path: Path) -> None:
+    directory = tmp_path / "mod\u00e8le"
+    completed = subprocess.run(
+        [sys.executable, "-m", "vllm_minimax", "make-tiny-model", str(directory)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONIOENCODING": "ascii"},
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stderr == ""
+    assert completed.stdout.rstrip().endswith(f"to {tmp_path}/mod\\xe8le")
+    assert (directory / "config.json").is_file()
+
+
 def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])

@@ -397,5 +397,5 @@ def run_eval_ab(args: argparse.Namespace) -> int:
         timeouts=timeouts,
         client=args.client,
     )
-    print((args.out / "report.md").read_text())
+    print((args.out / "report.md").read_text(encoding="utf-8"))
     return 0 if result["accuracy_passed"] else 1

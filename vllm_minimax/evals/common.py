@@ -35,7 +35,7 @@ def write_text(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        scratch.write_text(text)
+        scratch.write_text(text, encoding="utf-8")
         scratch.replace(path)
     except BaseException as error:
         scratch.unlink(missing_ok=True)
@@ -52,7 +52,7 @@ def write_json(path: Path, data: Any) -> Path:
 
 def read_json(path: Path, what: str) -> Any:
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise EvalError(f"{what} {path} does not exist") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -64,7 +64,7 @@ def read_yaml_mapping(path: Path, what: str, empty_ok: bool = False) -> dict[str
     import yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise EvalError(f"{what} {path} does not exist") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
@@ -79,7 +79,7 @@ def read_yaml_mapping(path: Path, what: str, empty_ok: bool = False) -> dict[str
 def log_tail(log_path: Path, lines: int) -> str:
     """The last ``lines`` lines of a log, for an error message."""
     try:
-        text = Path(log_path).read_text(errors="replace")
+        text = Path(log_path).read_text(encoding="utf-8", errors="replace")
     except OSError:
         return "(no log)"
     return "\n".join(text.splitlines()[-lines:])
