@@ -256,7 +256,8 @@ def find_vllm_root(target: Path | None) -> Path:
                 ) from None
             raise PatchError(f"target {target} does not exist") from None
         except OSError as error:
-            # ELOOP, ENOTDIR (a file above it), EACCES: exists() would call these absent.
+            if error.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
             raise PatchError(f"target {target} cannot be reached: {error.strerror}") from None
         if not target.is_dir():
             raise PatchError(f"target {target} is not a directory")
