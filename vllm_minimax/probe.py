@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -128,6 +129,73 @@ def select_indexer(
                 topk_blocks=topk_blocks,
                 indexer_kv_dtype=indexer_kv_dtype,
                 num_index_heads=num_index_heads,
+            )
+        except (ValueError, NotImplementedError, ImportError) as exc:
+            return Selection(impl=None, log=None, error=f"{type(exc).__name__}: {exc}")
+    return Selection(impl=impl_cls.__name__, log=logged[-1] if logged else None, error=None)
+
+
+_SPARSE_ATTENTION_MODULE = "vllm.models.minimax_m3.common.sparse_attention"
+_SPARSE_ATTENTION_FLASHINFER_MODULE = "vllm.models.minimax_m3.nvidia.sparse_attention_flashinfer"
+
+
+def sparse_attention_in_series() -> bool:
+    """Whether the vLLM this Python imports carries the FlashInfer sparse attention."""
+    return importlib.util.find_spec(_SPARSE_ATTENTION_FLASHINFER_MODULE) is not None
+
+
+def select_sparse_attention(
+    *,
+    kv_cache_dtype: str = "auto",
+    num_heads: int = 8,
+    num_kv_heads: int = 1,
+    topk_blocks: int = 16,
+    head_size: int = 128,
+    sparse_attention_backend: str = "auto",
+    capability: tuple[int, int] | None = None,
+) -> Selection:
+    """Run vLLM's `select_main_backend_and_impl_cls` once and report the attend
+    it chose for MiniMax M3's sparse layers (per-rank head counts).
+
+    With `capability`, the selection runs on a simulated CUDA GPU of that
+    capability; without it, on this machine's real platform.
+    """
+    import torch
+    from vllm.config import AttentionConfig, DeviceConfig, VllmConfig, set_current_vllm_config
+
+    module = importlib.import_module(_SPARSE_ATTENTION_MODULE)
+    logged: list[str] = []
+
+    def record(message: str, *args: object, **_: object) -> None:
+        logged.append(message % args if args else message)
+
+    try:
+        attention_config = AttentionConfig(
+            minimax_m3_sparse_attention_backend=sparse_attention_backend
+        )
+    except Exception as exc:  # pydantic names the field and the allowed values
+        return Selection(impl=None, log=None, error=f"{type(exc).__name__}: {exc}")
+    vllm_config = VllmConfig(
+        device_config=DeviceConfig(device="cpu"), attention_config=attention_config
+    )
+    platform = simulated_cuda_platform(capability) if capability is not None else None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(set_current_vllm_config(vllm_config))
+        if platform is not None:
+            previous = module.current_platform
+            stack.callback(setattr, module, "current_platform", previous)
+            module.current_platform = platform
+        logger = module.logger
+        stack.callback(setattr, logger, "info_once", logger.info_once)
+        logger.info_once = record
+        try:
+            _, impl_cls = module.select_main_backend_and_impl_cls(
+                topk_blocks=topk_blocks,
+                kv_cache_dtype=kv_cache_dtype,
+                num_kv_heads=num_kv_heads,
+                num_heads=num_heads,
+                head_size=head_size,
+                model_dtype=torch.bfloat16,
             )
         except (ValueError, NotImplementedError, ImportError) as exc:
             return Selection(impl=None, log=None, error=f"{type(exc).__name__}: {exc}")

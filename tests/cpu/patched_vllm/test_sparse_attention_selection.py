@@ -1,0 +1,280 @@
+"""Gating, selection and page-table rules of the FlashInfer sparse attention.
+
+Every selection case runs vLLM's own `select_main_backend_and_impl_cls` in the
+patched tree on a simulated GPU; the expected outcome is written out below from
+the issue's rules (SM90, fp8 e4m3 KV cache, head_dim 128, top-16, 8 or 16 query
+heads per KV head), independently of the patch's code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from vllm_minimax.probe import select_sparse_attention, sparse_attention_in_series
+
+pytestmark = pytest.mark.skipif(
+    not sparse_attention_in_series(), reason="this release's series has no FlashInfer attend"
+)
+
+FA_MODULE = "vllm.models.minimax_m3.nvidia.sparse_attention_flashinfer"
+CAPABILITIES = [(8, 9), (9, 0), (10, 0), (12, 0)]
+KV_DTYPES = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+GROUPS = [(8, 1), (16, 1), (32, 2), (4, 1), (2, 1)]  # (q heads, kv heads) per rank
+FLASHINFER_STATES = {"present": None, "absent": "flashinfer-python is not installed"}
+OVERRIDES = ["auto", "flashinfer", "triton"]
+
+
+def expected(cap, kv, heads, fi_state, override) -> tuple[str, str]:
+    """(kind, fragment): an impl class name or an exception name, and a
+    fragment of its log line or message."""
+    q_heads, kv_heads = heads
+    if cap == (10, 0):
+        # SM100 keeps its own MSA attend (bf16/fp8 e4m3), Triton for e5m2.
+        if override == "flashinfer":
+            return "ValueError", "cannot run here"
+        if kv == "fp8_e5m2":
+            return "MiniMaxM3SparseTritonImpl", "selected Triton"
+        return "MiniMaxM3SparseMSAImpl", "selected MSA"
+    if override == "triton":
+        return "MiniMaxM3SparseTritonImpl", "backend='triton'" if cap == (9, 0) else "Triton"
+    if cap != (9, 0):
+        reason = "compute capability"
+    elif kv not in ("fp8", "fp8_e4m3"):
+        reason = "set --kv-cache-dtype fp8"
+    elif q_heads // kv_heads not in (8, 16):
+        reason = "groups of 8 or 16"
+    elif FLASHINFER_STATES[fi_state] is not None:
+        reason = FLASHINFER_STATES[fi_state]
+    else:
+        return "MiniMaxM3SparseFlashInferImpl", "selected FlashInfer"
+    if override == "flashinfer":
+        return "ValueError", reason
+    return "MiniMaxM3SparseTritonImpl", reason if cap == (9, 0) else "selected Triton"
+
+
+@pytest.mark.parametrize(
+    ("cap", "kv", "heads", "fi_state", "override"),
+    list(itertools.product(CAPABILITIES, KV_DTYPES, GROUPS, FLASHINFER_STATES, OVERRIDES)),
+    ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v),
+)
+def test_selection_matrix(monkeypatch, cap, kv, heads, fi_state, override):
+    import importlib
+
+    module = importlib.import_module(FA_MODULE)
+    monkeypatch.setattr(
+        module, "flashinfer_sparse_attention_unavailable", lambda: FLASHINFER_STATES[fi_state]
+    )
+    selection = select_sparse_attention(
+        kv_cache_dtype=kv,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        sparse_attention_backend=override,
+        capability=cap,
+    )
+    kind, fragment = expected(cap, kv, heads, fi_state, override)
+    if kind.endswith("Error"):
+        assert selection.error is not None and selection.error.startswith(kind), selection
+        assert fragment in selection.error, selection.error
+        assert "sparse_attention_backend='flashinfer' cannot run here" in selection.error
+    else:
+        assert selection.error is None, selection.error
+        assert selection.impl == kind, selection
+        assert selection.log is not None and fragment in selection.log, selection.log
+
+
+def _blocker(**overrides):
+    import importlib
+
+    module = importlib.import_module(FA_MODULE)
+    kwargs = dict(
+        capability=90,
+        kv_cache_dtype="fp8",
+        model_dtype=torch.bfloat16,
+        head_size=128,
+        sparse_block_size=128,
+        topk_blocks=16,
+        num_heads=8,
+        num_kv_heads=1,
+    )
+    kwargs.update(overrides)
+    return module.flashinfer_sparse_attention_blocker(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({}, None),
+        ({"num_heads": 16}, None),
+        ({"num_heads": 32, "num_kv_heads": 2}, None),
+        ({"kv_cache_dtype": "fp8_e4m3"}, None),
+        ({"capability": 120}, "compute capability 12.0"),
+        ({"capability": None}, "compute capability unknown"),
+        ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype=fp8_e5m2"),
+        ({"model_dtype": torch.float16}, "bf16 queries"),
+        ({"head_size": 64}, "head_dim 64"),
+        ({"sparse_block_size": 64}, "sparse block 64"),
+        ({"topk_blocks": 8}, "topk_blocks=8"),
+        ({"num_heads": 4}, "4 query heads over 1 KV heads"),
+        ({"num_heads": 12, "num_kv_heads": 8}, "groups of 8 or 16"),
+        # Two failing conditions: the documented order names the first.
+        ({"capability": 89, "kv_cache_dtype": "auto"}, "compute capability 8.9"),
+        ({"kv_cache_dtype": "auto", "head_size": 64}, "kv_cache_dtype=auto"),
+        ({"model_dtype": torch.float16, "head_size": 64}, "bf16 queries"),
+        ({"head_size": 64, "topk_blocks": 8}, "head_dim 64"),
+        ({"sparse_block_size": 64, "num_heads": 4}, "sparse block 64"),
+        ({"topk_blocks": 8, "num_heads": 4}, "topk_blocks=8"),
+    ],
+)
+def test_blocker_conditions_and_their_order(monkeypatch, overrides, fragment):
+    import importlib
+
+    module = importlib.import_module(FA_MODULE)
+    monkeypatch.setattr(module, "flashinfer_sparse_attention_unavailable", lambda: "no build")
+    reason = _blocker(**overrides)
+    if fragment is None:
+        # Every geometry condition passed, so the build probe is what answers.
+        assert reason == "no build"
+    else:
+        assert reason is not None and fragment in reason, reason
+
+
+def test_probe_of_this_machines_flashinfer_build():
+    import importlib
+
+    module = importlib.import_module(FA_MODULE)
+    module.flashinfer_sparse_attention_unavailable.cache_clear()
+    # The dev lock pins FlashInfer 0.7.4, whose msa_ops import on the CPU.
+    assert module.flashinfer_sparse_attention_unavailable() is None
+
+
+def test_probe_refuses_a_build_without_an_argument(monkeypatch):
+    import importlib
+
+    import flashinfer.msa_ops as msa_ops
+
+    module = importlib.import_module(FA_MODULE)
+
+    def no_out(q, k, v, q2k_indices, *, page_table=None, seqused_k=None, seqlen_q=1):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(msa_ops, "msa_sparse_decode_attention", no_out)
+    module.flashinfer_sparse_attention_unavailable.cache_clear()
+    try:
+        reason = module.flashinfer_sparse_attention_unavailable()
+    finally:
+        monkeypatch.undo()
+        module.flashinfer_sparse_attention_unavailable.cache_clear()
+    assert reason is not None and "msa_sparse_decode_attention does not take" in reason
+    assert "softmax_scale" in reason and "out" in reason
+
+
+@pytest.mark.parametrize(
+    ("width", "max_seq_len", "expected_width"),
+    [
+        (1, 128, 801),  # tiny tables are widened past the union schedule's bound
+        (64, 8192, 801),
+        (800, 102400, 801),
+        (801, 102400, 801),  # already past it: passed as is
+        (1024, 131072, 1024),
+        (4096, 524288, 4096),
+        (4097, 524288, 4096),  # cut to the programs' bound when the step fits
+        (8192, 4096 * 128, 4096),
+        (8192, 4096 * 128 + 1, None),  # a sequence beyond 4096 pages: Triton
+        (8192, 1 << 20, None),
+    ],
+)
+def test_prefill_page_table_width(width, max_seq_len, expected_width):
+    import importlib
+
+    module = importlib.import_module(FA_MODULE)
+    got = module.prefill_page_table_width(width, max_seq_len)
+    assert got == expected_width
+    if got is not None:
+        # Whatever is passed lands in FlashInfer 0.7.4's allocation-free programs.
+        assert module.UNION_SCHEDULE_MAX_PAGES < got <= module.PREFILL_PROGRAM_MAX_PAGES
+        assert -(-max_seq_len // 128) <= got
+
+
+def _cache(pages: int, heads: int, layout: str) -> torch.Tensor:
+    """A per-layer `[pages, heads, 128, 256]` view as vLLM's NHD or HND layout makes it."""
+    if layout == "HND":
+        return torch.zeros(pages, heads, 128, 256, dtype=torch.uint8)
+    return torch.zeros(pages, 128, heads, 256, dtype=torch.uint8).transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    ("heads", "layout", "dense"),
+    [(1, "NHD", True), (1, "HND", True), (2, "HND", True), (2, "NHD", False), (4, "NHD", False)],
+)
+def test_dense_interleaved_view(heads, layout, dense):
+    import importlib
+
+    module = importlib.import_module(FA_MODULE)
+    cache = _cache(3, heads, layout)
+    view = module.dense_interleaved_view(cache)
+    if not dense:
+        assert view is None
+        return
+    # The same bytes, with the strides FlashInfer's prefill programs admit.
+    assert view is not None and view.data_ptr() == cache.data_ptr()
+    assert view.stride() == (heads * 128 * 256, 128 * 256, 256, 1)
+    cache.view(-1).copy_(torch.randint(0, 255, (cache.numel(),), dtype=torch.uint8))
+    assert torch.equal(view, cache)
+    # One layer of a pool whose pages hold two layers is not dense.
+    pool = torch.zeros(3, 2, heads, 128, 256, dtype=torch.uint8)
+    assert module.dense_interleaved_view(pool[:, 0]) is None
+
+
+def test_warmup_covers_every_decode_batch_and_the_prefill_width():
+    import importlib
+
+    module = importlib.import_module(FA_MODULE)
+    geometry = module.SparseAttentionWarmupGeometry(
+        num_heads=8,
+        num_kv_heads=1,
+        scale=128**-0.5,
+        max_decode_query_len=3,
+        max_num_decodes=256,
+        max_num_batched_tokens=512,
+        block_table_width=1024,
+    )
+    launches = module.warmup_launches(geometry)
+    decode = {(b, n) for kind, b, n in launches if kind == "decode"}
+    # Every batch the scheduler can form: up to 256 requests, within 512 tokens.
+    assert decode == {(b, n) for n in (1, 2, 3) for b in range(1, min(256, 512 // n) + 1)}
+    assert [x for x in launches if x[0] == "prefill"] == [("prefill", 1, 1024)]
+    narrow = module.warmup_launches(
+        module.SparseAttentionWarmupGeometry(**{**vars(geometry), "block_table_width": 64})
+    )
+    assert [x for x in narrow if x[0] == "prefill"] == [("prefill", 1, 801)]
+
+
+def test_failed_warmup_logs_and_lets_the_engine_start(monkeypatch, caplog):
+    import importlib
+
+    module = importlib.import_module(FA_MODULE)
+    geometry = module.SparseAttentionWarmupGeometry(
+        num_heads=8,
+        num_kv_heads=1,
+        scale=0.088,
+        max_decode_query_len=1,
+        max_num_decodes=2,
+        max_num_batched_tokens=16,
+        block_table_width=1024,
+    )
+
+    def broken(*args, **kwargs):
+        raise AttributeError("module 'flashinfer.msa_ops' has no attribute 'renamed'")
+
+    monkeypatch.setattr(module, "run_warmup_launch", broken)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    jit = module._SparseAttentionJit()
+    with caplog.at_level(logging.WARNING):
+        module.logger.propagate = True
+        jit.compile(geometry)  # must not raise
+    assert geometry in jit._compiled_cache
+    assert "did not finish" in caplog.text and "AttributeError" in caplog.text

@@ -1,0 +1,117 @@
+"""One engine run of the sparse attend on a tiny MiniMax M3; results as JSON.
+
+    python tests/gpu_e2e/sparse_attention_engine.py --model DIR --attend flashinfer \
+        --kv-cache-dtype fp8 [--eager] [--mtp K] --out run.json
+
+The model must have 8 or 16 query heads per KV head (one TP rank's group) for
+FlashInfer's attend to run; `make-tiny-model` with those head counts makes one.
+vLLM's defaults otherwise (CUDA graphs, chunked prefill, prefix caching). The
+prompts (random ids from a fixed seed: 8k, 16k and 24k tokens, the 16k one twice
+so the second hits the prefix cache) are scored with prompt logprobs and decode
+32 greedy tokens. The FlashInfer JIT cache is listed before the first request
+and after the last: files that appear are programs built after the engine was
+ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+PROMPT_LENS = (8192, 16384, 24576, 16384)
+
+
+def _jit_files() -> set[str]:
+    root = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", Path.home())) / ".cache" / "flashinfer"
+    return {str(p) for p in root.rglob("*.so")} if root.exists() else set()
+
+
+def run(args: argparse.Namespace) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    speculative_config = None
+    if args.mtp:
+        from vllm_minimax.testing import mtp_draft
+
+        mtp_draft.install()
+        speculative_config = {
+            "method": "mtp",
+            "model": str(Path(args.model) / "mtp"),
+            "num_speculative_tokens": args.mtp,
+        }
+    started = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=32768,
+        max_num_batched_tokens=8192,
+        max_num_seqs=16,
+        enforce_eager=args.eager,
+        gpu_memory_utilization=0.3,
+        kv_cache_dtype=args.kv_cache_dtype,
+        block_size=128,
+        attention_config={
+            "indexer_kv_dtype": "fp8",
+            "minimax_m3_sparse_attention_backend": args.attend,
+        },
+        speculative_config=speculative_config,
+    )
+    result: dict = {"engine_start_s": round(time.perf_counter() - started, 1)}
+    rng = random.Random(0)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    base = [rng.randrange(10, vocab - 10) for _ in range(max(PROMPT_LENS))]
+    prompts = [TokensPrompt(prompt_token_ids=base[:n]) for n in PROMPT_LENS]
+    before = _jit_files()
+    began = time.perf_counter()
+    outputs = llm.generate(
+        prompts,
+        [SamplingParams(temperature=0.0, max_tokens=32, prompt_logprobs=0, logprobs=1)]
+        * len(prompts),
+        use_tqdm=False,
+    )
+    result["generate_s"] = round(time.perf_counter() - began, 2)
+    result["jit_built_after_ready"] = sorted(_jit_files() - before)
+    result["requests"] = [
+        {
+            "prompt_logprobs": [
+                None if e is None else e[t].logprob
+                for t, e in zip(o.prompt_token_ids, o.prompt_logprobs, strict=True)
+            ],
+            "tokens": list(o.outputs[0].token_ids),
+            "logprobs": [
+                lp[t].logprob
+                for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)
+            ],
+        }
+        for o in outputs
+    ]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--attend", choices=["auto", "flashinfer", "triton"], required=True)
+    parser.add_argument("--kv-cache-dtype", choices=["fp8", "auto"], default="fp8")
+    parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--mtp", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    try:
+        result = run(args)
+    except Exception as exc:  # recorded for the comparison to report
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    args.out.write_text(json.dumps(result))
+    return 0 if "error" not in result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
