@@ -183,8 +183,8 @@ def _spread(values: list[float]) -> str:
 
 def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
-        f"{meta['device']}, torch {meta['torch']}; {meta['rounds']} rounds x {meta['iters']} calls, "
-        "ms per layer call, median (min..max of round medians)",
+        f"{meta['device']}, torch {meta['torch']}; {meta['rounds']} rounds x "
+        f"{meta['iters']} calls, ms per layer call, median (min..max of round medians)",
         "",
         "| heads | case | mode | Triton bf16 KV | Triton fp8 KV | FlashInfer fp8 KV | "
         "Triton bf16 / FlashInfer | rel L2 (bf16, fp8, FI) |",

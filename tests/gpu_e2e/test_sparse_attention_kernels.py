@@ -9,7 +9,8 @@ the whole step and on every request; a control (the reference with one selected
 block dropped per token) must be outside it by a factor of four, so the bound
 can fail.
 
-    vllm-minimax apply --target SITE && python -m pytest -q tests/gpu_e2e/test_sparse_attention_kernels.py
+    vllm-minimax apply --target SITE
+    python -m pytest -q tests/gpu_e2e/test_sparse_attention_kernels.py
 """
 
 from __future__ import annotations
