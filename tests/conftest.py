@@ -72,7 +72,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         requirements = REQUIREMENTS
     for directory, checks in requirements.items():
         selected = [
-            item for item in items if directory == item.path or directory in item.path.parents
+            item
+            for item in items
+            if (directory == item.path or directory in item.path.parents)
+            and not (
+                # The sparse attend's engine checks read saved runs only.
+                os.environ.get("VLLM_MINIMAX_SA_RUNS")
+                and item.path.name == "test_sparse_attention_engine.py"
+            )
         ]
         if not selected:
             continue

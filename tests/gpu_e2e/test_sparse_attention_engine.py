@@ -19,6 +19,7 @@ must be large in absolute terms.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from pathlib import Path
@@ -34,15 +35,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def load_run(directory: Path, name: str) -> dict:
+    """`<name>.json` in `directory`, or its gzip'ed copy (committed results)."""
+    path = directory / f"{name}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    packed = path.with_suffix(".json.gz")
+    assert packed.exists(), f"no run {path}"
+    return json.loads(gzip.decompress(packed.read_bytes()))
+
+
 def _load(name: str) -> dict:
-    path = Path(os.environ[RUNS_ENV]) / f"{name}.json"
-    assert path.exists(), f"no run {path}"
-    run = json.loads(path.read_text())
+    run = load_run(Path(os.environ[RUNS_ENV]), name)
     assert "error" not in run, f"{name}: {run['error']}"
     return run
 
 
-def _mean_abs_diff(a: dict, b: dict) -> float:
+def mean_abs_diff(a: dict, b: dict) -> float:
+    """Mean |difference| of two runs' prompt logprobs, token by token."""
     diffs = []
     for ra, rb in zip(a["requests"], b["requests"], strict=True):
         for x, y in zip(ra["prompt_logprobs"], rb["prompt_logprobs"], strict=True):
@@ -53,15 +63,15 @@ def _mean_abs_diff(a: dict, b: dict) -> float:
 
 
 def test_control_pair_moves_the_logprobs():
-    control = _mean_abs_diff(_load("triton-graphs"), _load("triton-bf16-graphs"))
+    control = mean_abs_diff(_load("triton-graphs"), _load("triton-bf16-graphs"))
     print(f"control (Triton fp8 vs bf16 KV): mean |d logprob| {control:.3e}")
     assert control > MIN_CONTROL
 
 
 @pytest.mark.parametrize("run", ["flashinfer-graphs", "flashinfer-eager"])
 def test_flashinfer_within_bound_of_triton(run):
-    control = _mean_abs_diff(_load("triton-graphs"), _load("triton-bf16-graphs"))
-    diff = _mean_abs_diff(_load(run), _load("triton-graphs"))
+    control = mean_abs_diff(_load("triton-graphs"), _load("triton-bf16-graphs"))
+    diff = mean_abs_diff(_load(run), _load("triton-graphs"))
     print(f"{run} vs triton-graphs: {diff:.3e} = {diff / control:.3f} x control")
     assert diff <= RATIO_BOUND * control
 
