@@ -16,14 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_minimax import __version__
+from vllm_minimax.errors import Interrupted, UserError, describe_os_error
 from vllm_minimax.evals.cli import add_eval_parsers
 from vllm_minimax.evals.common import EvalError
 from vllm_minimax.evals.server import raise_on_sigterm
 from vllm_minimax.patchset import (
-    Interrupted,
-    PatchError,
     apply_series,
-    describe_os_error,
     format_status,
     revert_series,
     series_state,
@@ -371,7 +369,7 @@ def run_make_rank_model(args: argparse.Namespace) -> int:
         if given
     ]
     if ignored:
-        raise PatchError(
+        raise UserError(
             f"--geometry {args.geometry} writes MiniMax M3's config without weights;"
             f" {', '.join(ignored)} would do nothing there"
         )
@@ -395,11 +393,11 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
     if args.for_vllm is not None and (
         args.geometry != tiny_model.TINY_GEOMETRY or args.kind == "llama"
     ):
-        raise PatchError("--for-vllm applies to the tiny MiniMax M3 (--geometry tiny) only")
+        raise UserError("--for-vllm applies to the tiny MiniMax M3 (--geometry tiny) only")
     if args.geometry != tiny_model.TINY_GEOMETRY:
         return run_make_rank_model(args)
     if args.kind == "llama" and (args.initializer_range is not None or args.mtp_modules):
-        raise PatchError("--initializer-range and --mtp-modules apply to --kind minimax-m3 only")
+        raise UserError("--initializer-range and --mtp-modules apply to --kind minimax-m3 only")
     directory: Path = args.directory
     check_model_directory(directory, args.force)
     if args.kind == "llama":
@@ -442,27 +440,27 @@ def check_model_directory(directory: Path, force: bool) -> None:
     """Refuse a DIR that is a file, a link, a mount point, a non-empty directory (unless
     ``force``), or under a file."""
     if directory.is_symlink():
-        raise PatchError(f"{directory} is a symbolic link; pass a real directory")
+        raise UserError(f"{directory} is a symbolic link; pass a real directory")
     for ancestor in directory.absolute().parents:
         if ancestor.exists() and not ancestor.is_dir():
-            raise PatchError(f"{ancestor} is not a directory, so {directory} cannot be made there")
+            raise UserError(f"{ancestor} is not a directory, so {directory} cannot be made there")
     if not directory.exists():
         return
     location = real_location(directory)
     if Path.cwd().resolve().is_relative_to(location):
-        raise PatchError(
+        raise UserError(
             f"{directory} is or holds the current directory, which replacing it would delete;"
             f" run the command from outside {directory}"
         )
     if directory.is_dir() and os.path.ismount(directory):
-        raise PatchError(
+        raise UserError(
             f"{directory} is a mount point, which cannot be replaced whole (the model is written"
             " beside it, then renamed into place); pass a directory inside it"
         )
     if not directory.is_dir():
-        raise PatchError(f"{directory} exists and is not a directory; pick another DIR")
+        raise UserError(f"{directory} exists and is not a directory; pick another DIR")
     if any(directory.iterdir()) and not force:
-        raise PatchError(
+        raise UserError(
             f"{directory} is not empty; pass --force to replace what is in it, or pick another DIR"
         )
 
@@ -545,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
-    except (PatchError, EvalError) as error:
+    except (UserError, EvalError) as error:
         print(f"{PROGRAM}: error: {error}", file=sys.stderr)
         return 2
     except OSError as error:
