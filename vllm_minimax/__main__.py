@@ -1,3 +1,3 @@
-from vllm_minimax.cli import main
+from vllm_minimax.entry import run
 
-raise SystemExit(main())
+raise SystemExit(run())
