@@ -219,7 +219,7 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="environment variable for the server; repeatable",
     )
-    ab_parser.add_argument("--port", type=int, help="server port (default: a free one)")
+    ab_parser.add_argument("--port", type=port_number, help="server port (default: a free one)")
     ab_parser.add_argument(
         "--startup-timeout",
         type=float,
@@ -228,6 +228,17 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
         help="seconds to wait for /health (default: 1800)",
     )
     ab_parser.set_defaults(handler=run_eval_ab)
+
+
+def port_number(text: str) -> int:
+    """``--port``: a TCP port a server can listen on."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (1 to 65535)")
+    return port
 
 
 def eval_command(handler: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
