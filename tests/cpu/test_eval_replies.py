@@ -176,3 +176,23 @@ def test_an_lm_eval_timeout_is_not_shown_as_a_cancelled_task(tmp_path: Path) -> 
     line = accuracy.first_error_line(log)
     assert "CancelledError" not in line
     assert line.startswith("a request timed out (--request-timeout"), line
+
+
+def test_stopping_a_server_that_ignores_sigterm_waits_one_grace(tmp_path: Path) -> None:
+    """A server deaf to SIGTERM is killed after one grace, not after one for its leader and
+    another for the rest of its process group."""
+    import subprocess
+    import sys
+
+    from vllm_minimax.evals.server import VllmServer, process_group_alive
+
+    deaf = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    server = VllmServer("m", tmp_path / "server.log", command=[sys.executable, "-c", deaf])
+    server.process = subprocess.Popen([sys.executable, "-c", deaf], start_new_session=True)
+    pgid = server.process.pid
+    time.sleep(0.5)  # its SIGTERM handler is set
+    started = time.monotonic()
+    server.stop(grace=2.0)
+    waited = time.monotonic() - started
+    assert not process_group_alive(pgid)
+    assert 2.0 <= waited < 3.5, waited
