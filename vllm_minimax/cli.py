@@ -16,19 +16,20 @@ from pathlib import Path
 from typing import Any
 
 from vllm_minimax import __version__
+from vllm_minimax.errors import Interrupted, UserError, describe_os_error
 from vllm_minimax.evals.cli import add_eval_parsers
 from vllm_minimax.evals.common import EvalError
 from vllm_minimax.evals.server import raise_on_sigterm
+from vllm_minimax.options import path_argument
 from vllm_minimax.patchset import (
-    Interrupted,
     PatchError,
     apply_series,
-    describe_os_error,
     format_status,
     revert_series,
     series_state,
     supported_versions,
 )
+from vllm_minimax.terminal import printable
 
 PROGRAM = "vllm-minimax"
 # The commands that work on the vLLM tree the series applies to (an OSError's advice is
@@ -62,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROGRAM,
         description="FlashInfer's MSA indexer for MiniMax M3, as a patch series over vLLM.",
     )
-    series = ", ".join(supported_versions()) or "none"
+    try:
+        series = ", ".join(supported_versions()) or "none"
+    except PatchError:
+        series = "unreadable"
     parser.add_argument(
         "--version",
         action="version",
@@ -74,12 +78,22 @@ def build_parser() -> argparse.ArgumentParser:
         "directory containing vllm/ (a vLLM source checkout root or a site-packages);"
         " default: the vLLM installed in this Python environment"
     )
-    apply_parser = commands.add_parser("apply", help="apply the patch series to vLLM")
-    apply_parser.add_argument("--target", type=Path, metavar="DIR", help=target_help)
+    apply_parser = commands.add_parser(
+        "apply",
+        help="apply the patch series to vLLM",
+        description="Apply the patch series for the target's vLLM release, all or nothing;"
+        " applying it again changes nothing. `vllm-minimax revert` undoes it.",
+    )
+    apply_parser.add_argument("--target", type=path_argument, metavar="DIR", help=target_help)
     apply_parser.set_defaults(handler=run_apply)
 
-    revert_parser = commands.add_parser("revert", help="restore vLLM's original files")
-    revert_parser.add_argument("--target", type=Path, metavar="DIR", help=target_help)
+    revert_parser = commands.add_parser(
+        "revert",
+        help="restore vLLM's original files",
+        description="Restore every file `vllm-minimax apply` changed, byte for byte and with"
+        " its mode, all or nothing; refused when a file was edited since.",
+    )
+    revert_parser.add_argument("--target", type=path_argument, metavar="DIR", help=target_help)
     revert_parser.set_defaults(handler=run_revert)
 
     status_parser = commands.add_parser(
@@ -89,13 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=STATUS_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    status_parser.add_argument("--target", type=Path, metavar="DIR", help=target_help)
+    status_parser.add_argument("--target", type=path_argument, metavar="DIR", help=target_help)
     status_parser.set_defaults(handler=run_status)
 
     doctor_parser = commands.add_parser(
         "doctor", help="check that this machine and vLLM can run the FlashInfer indexer"
     )
-    doctor_parser.add_argument("--target", type=Path, metavar="DIR", help=target_help)
+    doctor_parser.add_argument("--target", type=path_argument, metavar="DIR", help=target_help)
     doctor_parser.add_argument(
         "--capability",
         type=capability_option,
@@ -128,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="download vLLM's sdist into DIR as a git repo with one commit per patch",
     )
     checkout_parser.add_argument("version", metavar="VERSION", help="vLLM version, e.g. 0.34.0")
-    checkout_parser.add_argument("directory", type=Path, metavar="DIR")
+    checkout_parser.add_argument("directory", type=path_argument, metavar="DIR")
     checkout_parser.add_argument(
         "--pristine",
         action="store_true",
@@ -139,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     export_parser = dev_commands.add_parser(
         "export", help="write the commits since the pristine tag back as the patch series"
     )
-    export_parser.add_argument("directory", type=Path, metavar="DIR")
+    export_parser.add_argument("directory", type=path_argument, metavar="DIR")
     export_parser.set_defaults(handler=run_dev_export)
 
     tiny_parser = commands.add_parser(
@@ -147,7 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a random-weight tiny MiniMax M3 checkpoint (real indexer geometry) to DIR",
     )
     tiny_parser.add_argument(
-        "directory", type=Path, metavar="DIR", help="where to write it (must be absent or empty)"
+        "directory",
+        type=path_argument,
+        metavar="DIR",
+        help="where to write it (must be absent or empty)",
     )
     tiny_parser.add_argument(
         "--force", action="store_true", help="replace DIR even if it is not empty"
@@ -204,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="prebuild FlashInfer's JIT cache for a serving config (on the serving GPU)",
     )
     warmup_parser.add_argument(
-        "--config", type=Path, required=True, metavar="YAML", help="a vllm serve config"
+        "--config", type=path_argument, required=True, metavar="YAML", help="a vllm serve config"
     )
     warmup_parser.add_argument(
         "--model",
@@ -213,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     warmup_parser.add_argument(
         "--cache-dir",
-        type=Path,
+        type=path_argument,
         metavar="DIR",
         help="FLASHINFER_WORKSPACE_BASE to build into (default: $FLASHINFER_WORKSPACE_BASE,"
         " else the home directory); the cache lands in DIR/.cache/flashinfer",
@@ -268,47 +285,76 @@ def run_warmup(args: argparse.Namespace) -> int:
     return warmup.main(args)
 
 
+def say(text: str) -> None:
+    """Print a line that may hold values read from the target, escaped (see `printable`)."""
+    print(printable(text, keep_newlines=False))
+
+
 def print_litter(removed: list[str]) -> None:
     for path in removed:
-        print(f"  removed  {path} (left by an interrupted run)")
+        say(f"  removed  {path} (left by an interrupted run)")
+
+
+class ReportFailed(Exception):
+    """apply or revert finished, but writing its report to standard output failed."""
 
 
 def run_apply(args: argparse.Namespace) -> int:
     raise_on_sigterm()  # before and after the transaction too, SIGTERM reports like Ctrl-C
     result = apply_series(args.target)
-    with interrupt_after_writing(f"{result.series_dir.name} is applied to {result.root}"):
+    with reporting_after_writing(f"{result.series_dir.name} is applied to {result.root}"):
         print_litter(result.litter_removed)
         if result.already_applied:
-            print(f"already applied: {result.series_dir.name} on {result.root}; nothing changed")
+            say(f"already applied: {result.series_dir.name} on {result.root}; nothing changed")
             return 0
-        print(f"applied {result.series_dir.name} to {result.root} (vLLM {result.vllm_version})")
+        say(f"applied {result.series_dir.name} to {result.root} (vLLM {result.vllm_version})")
         for path in result.changed:
-            print(f"  patched  {path}")
+            say(f"  patched  {path}")
     return 0
 
 
 def run_revert(args: argparse.Namespace) -> int:
     raise_on_sigterm()  # before and after the transaction too, SIGTERM reports like Ctrl-C
     result = revert_series(args.target)
-    with interrupt_after_writing(f"{result.series} is reverted on {result.root}"):
+    with reporting_after_writing(f"{result.series} is reverted on {result.root}"):
         print_litter(result.litter_removed)
-        print(f"reverted {result.series} on {result.root}")
+        say(f"reverted {result.series} on {result.root}")
         for path in result.restored:
-            print(f"  restored {path}")
+            say(f"  restored {path}")
         for path in result.removed:
-            print(f"  removed  {path}")
+            say(f"  removed  {path}")
     return 0
 
 
 @contextlib.contextmanager
-def interrupt_after_writing(done: str) -> Iterator[None]:
-    """Ctrl-C while a finished apply or revert reports what it wrote: say that it finished."""
+def reporting_after_writing(done: str) -> Iterator[None]:
+    """A finished apply or revert reports what it wrote. Ctrl-C meanwhile, or standard output
+    that cannot be written (a full disk, a closed pipe), is said as such: the work is done."""
     try:
-        yield
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
     except KeyboardInterrupt:
         raise Interrupted(
             f"interrupted while reporting, after the writes finished: {done}"
         ) from None
+    except OSError as error:
+        discard_standard_output()
+        raise ReportFailed(
+            f"{done}, but its report could not be written to standard output:"
+            f" {error.strerror or error}"
+        ) from None
+
+
+def discard_standard_output() -> None:
+    """Point standard output at /dev/null, so that what is still buffered cannot fail again
+    when Python exits."""
+    with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+        descriptor = sys.stdout.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, descriptor)
+        os.close(null)
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -371,7 +417,7 @@ def run_make_rank_model(args: argparse.Namespace) -> int:
         if given
     ]
     if ignored:
-        raise PatchError(
+        raise UserError(
             f"--geometry {args.geometry} writes MiniMax M3's config without weights;"
             f" {', '.join(ignored)} would do nothing there"
         )
@@ -395,11 +441,11 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
     if args.for_vllm is not None and (
         args.geometry != tiny_model.TINY_GEOMETRY or args.kind == "llama"
     ):
-        raise PatchError("--for-vllm applies to the tiny MiniMax M3 (--geometry tiny) only")
+        raise UserError("--for-vllm applies to the tiny MiniMax M3 (--geometry tiny) only")
     if args.geometry != tiny_model.TINY_GEOMETRY:
         return run_make_rank_model(args)
     if args.kind == "llama" and (args.initializer_range is not None or args.mtp_modules):
-        raise PatchError("--initializer-range and --mtp-modules apply to --kind minimax-m3 only")
+        raise UserError("--initializer-range and --mtp-modules apply to --kind minimax-m3 only")
     directory: Path = args.directory
     check_model_directory(directory, args.force)
     if args.kind == "llama":
@@ -442,27 +488,27 @@ def check_model_directory(directory: Path, force: bool) -> None:
     """Refuse a DIR that is a file, a link, a mount point, a non-empty directory (unless
     ``force``), or under a file."""
     if directory.is_symlink():
-        raise PatchError(f"{directory} is a symbolic link; pass a real directory")
+        raise UserError(f"{directory} is a symbolic link; pass a real directory")
     for ancestor in directory.absolute().parents:
         if ancestor.exists() and not ancestor.is_dir():
-            raise PatchError(f"{ancestor} is not a directory, so {directory} cannot be made there")
+            raise UserError(f"{ancestor} is not a directory, so {directory} cannot be made there")
     if not directory.exists():
         return
     location = real_location(directory)
     if Path.cwd().resolve().is_relative_to(location):
-        raise PatchError(
+        raise UserError(
             f"{directory} is or holds the current directory, which replacing it would delete;"
             f" run the command from outside {directory}"
         )
     if directory.is_dir() and os.path.ismount(directory):
-        raise PatchError(
+        raise UserError(
             f"{directory} is a mount point, which cannot be replaced whole (the model is written"
             " beside it, then renamed into place); pass a directory inside it"
         )
     if not directory.is_dir():
-        raise PatchError(f"{directory} exists and is not a directory; pick another DIR")
+        raise UserError(f"{directory} exists and is not a directory; pick another DIR")
     if any(directory.iterdir()) and not force:
-        raise PatchError(
+        raise UserError(
             f"{directory} is not empty; pass --force to replace what is in it, or pick another DIR"
         )
 
@@ -545,24 +591,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args))
-    except (PatchError, EvalError) as error:
-        print(f"{PROGRAM}: error: {error}", file=sys.stderr)
+    except (UserError, EvalError) as error:
+        complain(f"error: {error}")
         return 2
+    except ReportFailed as error:
+        complain(str(error))
+        return 0
     except OSError as error:
         on_vllm_tree = args.command in VLLM_TREE_COMMANDS
-        print(
-            f"{PROGRAM}: error: {describe_os_error(error, vllm_tree=on_vllm_tree)}", file=sys.stderr
-        )
+        complain(f"error: {describe_os_error(error, vllm_tree=on_vllm_tree)}")
         return 2
     except Interrupted as error:
-        print(f"{PROGRAM}: {error}", file=sys.stderr)
+        complain(str(error))
         return 130
     except KeyboardInterrupt:
         if args.command in ("apply", "revert"):
-            print(f"{PROGRAM}: interrupted before any write: nothing was changed", file=sys.stderr)
+            complain("interrupted before any write: nothing was changed")
         else:
-            print(f"{PROGRAM}: interrupted", file=sys.stderr)
+            complain("interrupted")
         return 130
+
+
+def complain(message: str) -> None:
+    """One message on standard error, escaped; a standard error that cannot be written is
+    given up on (the exit status still tells)."""
+    with contextlib.suppress(OSError):
+        print(f"{PROGRAM}: {printable(message)}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

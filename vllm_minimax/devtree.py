@@ -20,11 +20,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_minimax.errors import Interrupted, UserError, describe_os_error
 from vllm_minimax.patchset import (
     SERIES_FILE_NAME,
-    Interrupted,
-    PatchError,
-    describe_os_error,
     git_executable,
     isolated_git_env,
     parse_series_file,
@@ -57,6 +55,10 @@ FORMAT_PATCH_OPTIONS = [
 ]
 
 
+class DevTreeError(UserError):
+    """A dev checkout or export failed: PyPI, the download, git, or the directory given."""
+
+
 def cache_dir() -> Path:
     configured = os.environ.get("VLLM_MINIMAX_CACHE")
     return Path(configured) if configured else Path.home() / ".cache" / "vllm-minimax"
@@ -85,19 +87,19 @@ def find_sdist_release(version: str) -> SdistRelease:
         with urllib.request.urlopen(request, timeout=60) as response:
             index = json.load(response)
     except OSError as error:
-        raise PatchError(f"cannot read the PyPI index {PYPI_SIMPLE_URL}: {error}") from error
+        raise DevTreeError(f"cannot read the PyPI index {PYPI_SIMPLE_URL}: {error}") from error
     for entry in index.get("files", []):
         if entry.get("filename") == filename:
             sha256 = entry.get("hashes", {}).get("sha256")
             if not sha256:
-                raise PatchError(f"PyPI lists {filename} without a sha256")
+                raise DevTreeError(f"PyPI lists {filename} without a sha256")
             pinned = KNOWN_SDIST_SHA256.get(version)
             if pinned is not None and pinned != sha256:
-                raise PatchError(
+                raise DevTreeError(
                     f"PyPI's sha256 for {filename} is {sha256}, but vllm-minimax pins {pinned}"
                 )
             return SdistRelease(filename=filename, url=entry["url"], sha256=sha256)
-    raise PatchError(f"PyPI has no sdist {filename} for vLLM {version}")
+    raise DevTreeError(f"PyPI has no sdist {filename} for vLLM {version}")
 
 
 def fetch_sdist(version: str) -> Path:
@@ -122,13 +124,13 @@ def fetch_sdist(version: str) -> Path:
                 digest.update(chunk)
                 out.write(chunk)
         if digest.hexdigest() != release.sha256:
-            raise PatchError(
+            raise DevTreeError(
                 f"downloaded {release.url} has sha256 {digest.hexdigest()}, expected"
                 f" {release.sha256}"
             )
         os.replace(partial, cached)
     except OSError as error:
-        raise PatchError(f"cannot download {release.url}: {error}") from error
+        raise DevTreeError(f"cannot download {release.url}: {error}") from error
     finally:
         partial.unlink(missing_ok=True)
     return cached
@@ -185,7 +187,7 @@ def git(
         text=True,
     )
     if check and completed.returncode != 0:
-        raise PatchError(
+        raise DevTreeError(
             f"`git {' '.join(arguments[:3])}` failed in {directory}:\n"
             + (completed.stderr or completed.stdout).strip()
         )
@@ -220,11 +222,11 @@ def checkout(
         names = parse_series_file((series_dir / SERIES_FILE_NAME).read_text(encoding="utf-8"))
         for name in names:
             if not (series_dir / name).is_file():
-                raise PatchError(
+                raise DevTreeError(
                     f"{series_dir / SERIES_FILE_NAME} names {name}, which does not exist"
                 )
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise PatchError(f"{directory} exists and is not an empty directory")
+        raise DevTreeError(f"{directory} exists and is not an empty directory")
     existed = directory.exists()
     git_executable()
     sdist = fetch_sdist(version)
@@ -257,15 +259,15 @@ def checkout(
         if isinstance(error, OSError):
             if error.filename is None:  # tarfile's writes name no file
                 error = OSError(error.errno, error.strerror, str(directory))
-            raise PatchError(f"{describe_os_error(error, vllm_tree=False)}; {outcome}") from None
-        if isinstance(error, PatchError):
-            raise PatchError(f"{error}; {outcome}") from None
+            raise DevTreeError(f"{describe_os_error(error, vllm_tree=False)}; {outcome}") from None
+        if isinstance(error, UserError):
+            raise DevTreeError(f"{error}; {outcome}") from None
         raise
     commits = patch_commits(directory, version)
     return Checkout(directory, version, pristine_tag(version), commits)
 
 
-class SeriesDoesNotApply(PatchError):
+class SeriesDoesNotApply(DevTreeError):
     """`git am` of the series failed; the tagged pristine tree stays for the developer to fix."""
 
 
@@ -303,7 +305,7 @@ def extract_sdist(sdist: Path, version: str, directory: Path) -> None:
             members = archive.getmembers()
             for member in members:
                 if member.name != top and not member.name.startswith(top + "/"):
-                    raise PatchError(f"{sdist} has {member.name} outside {top}/")
+                    raise DevTreeError(f"{sdist} has {member.name} outside {top}/")
             archive.extractall(tmp, members=members, filter="data")
         if directory.exists():
             directory.rmdir()
@@ -352,18 +354,18 @@ class Export:
 
 
 def checkout_version(directory: Path) -> str:
-    """Return the vLLM version of a `dev checkout` directory, or raise PatchError."""
+    """Return the vLLM version of a `dev checkout` directory, or raise DevTreeError."""
     directory = Path(directory)
     if not (directory / ".git").is_dir() or not (directory / "vllm").is_dir():
-        raise PatchError(f"{directory} is not a `vllm-minimax dev checkout` (no .git or vllm/)")
+        raise DevTreeError(f"{directory} is not a `vllm-minimax dev checkout` (no .git or vllm/)")
     version = read_vllm_version(directory)
     tag = pristine_tag(version)
     if git(
         directory, "rev-parse", "--verify", "--quiet", f"refs/tags/{tag}", check=False
     ).returncode:
-        raise PatchError(f"{directory} has no tag {tag}; it is not a `vllm-minimax dev checkout`")
+        raise DevTreeError(f"{directory} has no tag {tag}; it is not a `vllm-minimax dev checkout`")
     if git(directory, "merge-base", "--is-ancestor", tag, "HEAD", check=False).returncode:
-        raise PatchError(f"HEAD of {directory} does not descend from the pristine tag {tag}")
+        raise DevTreeError(f"HEAD of {directory} does not descend from the pristine tag {tag}")
     return version
 
 
@@ -372,13 +374,13 @@ def export(directory: Path, patches_dir: Path | None = None) -> Export:
     version = checkout_version(directory)
     dirty = git(directory, "status", "--porcelain", "--untracked-files=normal").stdout
     if dirty.strip():
-        raise PatchError(
+        raise DevTreeError(
             f"{directory} has uncommitted changes; commit them (one commit per patch) first:\n"
             + dirty.rstrip()
         )
     root = patches_root() if patches_dir is None else Path(patches_dir)
     if root.resolve() == (Path(__file__).resolve().parent / "_patches"):
-        raise PatchError(
+        raise DevTreeError(
             f"{root} is the copy of the series inside an installed vllm-minimax; export into"
             " the repository instead (run from an editable install, or set VLLM_MINIMAX_PATCHES)"
         )

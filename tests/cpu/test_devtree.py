@@ -19,7 +19,8 @@ import pytest
 from patchset_helpers import REAL_PATCHES_ROOT, REAL_SERIES_DIR, git_run
 
 from vllm_minimax import devtree
-from vllm_minimax.patchset import PatchError, parse_series_file, read_series
+from vllm_minimax.errors import UserError
+from vllm_minimax.patchset import parse_series_file, read_series
 
 # Fixed identity and dates make the pristine commit the same on every machine.
 PRISTINE_COMMIT_0_34_0 = "52700e0d50ee1238fd95a5f3eb39aacad52a9408"
@@ -86,7 +87,7 @@ def test_export_refuses_dirty_tree_and_writes_new_commits(
     head = git_out(checkout_dir, "rev-parse", "HEAD").strip()
     scratch.write_text("VALUE = 1\n")
     try:
-        with pytest.raises(PatchError, match="uncommitted changes"):
+        with pytest.raises(UserError, match="uncommitted changes"):
             devtree.export(checkout_dir, patches_dir=patches_root)
         assert series_bytes(patches_root / "vllm-0.34.0") == before
         git_run(checkout_dir, "add", str(scratch))
@@ -128,7 +129,7 @@ def test_download_with_wrong_sha256_is_rejected(
     release = devtree.SdistRelease("vllm-9.9.9.tar.gz", "https://example.invalid/x", "0" * 64)
     monkeypatch.setattr(devtree, "find_sdist_release", lambda version: release)
     monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: io.BytesIO(b"not the sdist"))
-    with pytest.raises(PatchError, match="expected 0000"):
+    with pytest.raises(UserError, match="expected 0000"):
         devtree.fetch_sdist("9.9.9")
     assert list((tmp_path / "cache" / "sdist").iterdir()) == []
 
@@ -136,25 +137,25 @@ def test_download_with_wrong_sha256_is_rejected(
 def test_checkout_refuses_non_empty_directory(tmp_path: Path) -> None:
     (tmp_path / "occupied").mkdir()
     (tmp_path / "occupied" / "file").write_text("x")
-    with pytest.raises(PatchError, match="not an empty directory"):
+    with pytest.raises(UserError, match="not an empty directory"):
         devtree.checkout("0.34.0", tmp_path / "occupied", patches_dir=REAL_PATCHES_ROOT)
 
 
 def test_checkout_of_unsupported_version(tmp_path: Path) -> None:
-    with pytest.raises(PatchError, match=r"no patch series for vLLM 0\.0\.1.*0\.34\.0"):
+    with pytest.raises(UserError, match=r"no patch series for vLLM 0\.0\.1.*0\.34\.0"):
         devtree.checkout("0.0.1", tmp_path / "x", patches_dir=REAL_PATCHES_ROOT)
     assert not (tmp_path / "x").exists()
 
 
 def test_export_refuses_directory_that_is_not_a_checkout(tmp_path: Path) -> None:
-    with pytest.raises(PatchError, match="not a `vllm-minimax dev checkout`"):
+    with pytest.raises(UserError, match="not a `vllm-minimax dev checkout`"):
         devtree.export(tmp_path, patches_dir=tmp_path / "patches")
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "_version.py").write_text("__version__ = version = '9.9.9'\n")
     git_run(tmp_path, "init", "--quiet")
     git_run(tmp_path, "add", "-A")
     git_run(tmp_path, "commit", "--quiet", "-m", "not tagged")
-    with pytest.raises(PatchError, match=r"no tag vllm-9\.9\.9"):
+    with pytest.raises(UserError, match=r"no tag vllm-9\.9\.9"):
         devtree.export(tmp_path, patches_dir=tmp_path / "patches")
     assert not (tmp_path / "patches").exists()
 
@@ -242,7 +243,7 @@ def tiny_sdist(path: Path, version: str) -> Path:
     [
         (KeyboardInterrupt(), "interrupted: the partial checkout in {d} was removed"),
         (OSError(28, "No space left on device"), "no space left on the device of {d}: free"),
-        (PatchError("git commit failed"), "git commit failed; the partial checkout in {d} was"),
+        (UserError("git commit failed"), "git commit failed; the partial checkout in {d} was"),
     ],
 )
 def test_a_checkout_that_stops_part_way_leaves_dir_as_it_was(
@@ -267,7 +268,7 @@ def test_a_checkout_that_stops_part_way_leaves_dir_as_it_was(
     directory = tmp_path / "checkout"
     if directory_existed:
         directory.mkdir()
-    with pytest.raises((PatchError, KeyboardInterrupt)) as raised:
+    with pytest.raises((UserError, KeyboardInterrupt)) as raised:
         devtree.checkout("9.9.9", directory, with_series=False)
     assert str(raised.value).startswith(message.format(d=directory)), raised.value
     if directory_existed:
@@ -304,7 +305,7 @@ def test_a_checkout_that_fails_before_writing_dir_leaves_it_alone(
     monkeypatch.setattr(devtree, "fetch_sdist", fetch)
     if failure == "extraction out of room":
         monkeypatch.setattr(tarfile.TarFile, "extractall", out_of_room)
-    with pytest.raises(PatchError) as raised:
+    with pytest.raises(UserError) as raised:
         devtree.checkout("9.9.9", directory, with_series=False)
     assert str(raised.value).endswith(f"; nothing was written to {directory}"), raised.value
     if failure == "extraction out of room":

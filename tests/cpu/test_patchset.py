@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import stat
@@ -90,15 +91,21 @@ def test_apply_status_revert_on_full_copy(
     assert tree_manifest(full_target) == before
 
 
-def test_status_before_apply_is_pristine(
+def test_status_before_apply_is_pristine_and_absent(
     small_target: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """vLLM's files are pristine; those the series creates are absent, and said to be."""
     code, out, _ = run_cli(capsys, "status", "--target", str(small_target))
     assert code == 1
     assert "state:        not applied" in out
     assert f"series:       {REAL_SERIES_DIR}" in out
+    created = created_paths()
+    assert created, "the real series creates no file; the absent state goes untested"
     for path in real_series_paths():
-        assert f"pristine    {path}" in out
+        if path in created:
+            assert f"  absent      {path} (created by the series)\n" in out, out
+        else:
+            assert f"  pristine    {path}\n" in out, out
 
 
 def test_status_before_apply_names_each_file_that_is_not_vllms(
@@ -122,7 +129,8 @@ def test_status_before_apply_names_each_file_that_is_not_vllms(
     code, out, _ = run_cli(capsys, "status", "--target", str(small_target))
     assert code == 2
     for path in paths:
-        assert f"  {expected.get(path, 'pristine'):<10}  {path}" in out, out
+        default = "absent" if path in created else "pristine"
+        assert f"  {expected.get(path, default):<10}  {path}" in out, out
     # Only the appended comment: the series still applies, and says which file is not vLLM's.
     (small_target / created[0]).unlink()
     for path in (deleted, replaced):
@@ -130,7 +138,8 @@ def test_status_before_apply_names_each_file_that_is_not_vllms(
     code, out, _ = run_cli(capsys, "status", "--target", str(small_target))
     assert code == 1 and "problem:" not in out, out
     assert f"  edited      {edited_outside_hunks}" in out
-    assert out.count("  pristine    ") == len(paths) - 1
+    assert out.count("  pristine    ") == len(modified) - 1
+    assert out.count("  absent      ") == len(created)
 
 
 def test_second_apply_changes_nothing(
@@ -246,7 +255,8 @@ def test_state_file_records_series_and_hashes(small_target: Path) -> None:
         assert by_path[path]["before"] is None
     config = by_path[CONFIG_FILE]
     assert config["before"]["sha256"] != config["after"]["sha256"]
-    assert config["after"]["sha256"] == patchset.sha256_of(small_target / CONFIG_FILE)
+    applied_bytes = (small_target / CONFIG_FILE).read_bytes()
+    assert config["after"]["sha256"] == hashlib.sha256(applied_bytes).hexdigest()
 
 
 def test_series_state_api(small_target: Path) -> None:
@@ -255,7 +265,7 @@ def test_series_state_api(small_target: Path) -> None:
     assert state.vllm_version == "0.34.0"
     assert state.series_dir == REAL_SERIES_DIR
     assert not state.applied and not state.clean
-    assert {s for _, s in state.files} == {"pristine"}
+    assert {s for _, s in state.files} == {"pristine", "absent"}
     patchset.apply_series(small_target)
     state = series_state(small_target)
     assert state.applied and state.clean
@@ -568,7 +578,8 @@ def test_status_before_apply_on_renames_deletions_and_created_then_changed_files
     assert code == 1, out
     paths = ["vllm/alpha.py", "vllm/renamed.py", "vllm/beta.py", "vllm/gamma.py"]
     for path in paths:
-        assert f"  pristine    {path}" in out, out
+        state = "absent" if path in ("vllm/renamed.py", "vllm/gamma.py") else "pristine"
+        assert f"  {state:<10}  {path}" in out, out
     (series.target / "vllm/beta.py").unlink()
     (series.target / "vllm/beta.py").symlink_to("alpha.py")
     (series.target / "vllm/renamed.py").write_text("someone else's\n")
@@ -577,7 +588,7 @@ def test_status_before_apply_on_renames_deletions_and_created_then_changed_files
     assert code == 2
     for path in paths[:3]:
         assert f"  edited      {path}" in out, out
-    assert "  pristine    vllm/gamma.py" in out
+    assert "  absent      vllm/gamma.py (created by the series)" in out
 
 
 def test_changed_series_revision_asks_for_revert(

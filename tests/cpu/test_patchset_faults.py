@@ -31,6 +31,7 @@ from patchset_helpers import SyntheticSeries, tree_manifest
 
 from vllm_minimax import patchset
 from vllm_minimax.cli import main
+from vllm_minimax.errors import describe_os_error
 from vllm_minimax.patchset import STATE_FILE
 
 BASE_FILES = {
@@ -92,7 +93,7 @@ def litter(root: Path) -> list[str]:
     found = []
     for directory, _, names in os.walk(root):
         for name in names:
-            if name.endswith(patchset.TEMP_SUFFIX) or name.startswith(patchset.LEGACY_PROBE_PREFIX):
+            if name.endswith(patchset.TEMP_SUFFIX):
                 found.append(os.path.join(directory, name))
     return found
 
@@ -113,7 +114,8 @@ class Faults:
     persistent: bool = False
     calls: list[str] = field(default_factory=list)
 
-    def inside(self, path: object) -> str | None:
+    def inside(self, path: object, dir_fd: int | None = None) -> str | None:
+        """The absolute path a call's ``path`` (and ``dir_fd``) names, if it is in the target."""
         if isinstance(path, int):
             try:
                 path = os.readlink(f"/proc/self/fd/{path}")
@@ -122,11 +124,13 @@ class Faults:
         text = os.fspath(path)  # type: ignore[arg-type]
         if isinstance(text, bytes):
             text = text.decode()
+        if dir_fd is not None and not os.path.isabs(text):
+            text = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), text)
         text = os.path.abspath(text)
         return text if text.startswith(str(self.target) + os.sep) else None
 
-    def hit(self, name: str, path: object, creates: bool) -> None:
-        where = self.inside(path)
+    def hit(self, name: str, path: object, creates: bool, dir_fd: int | None = None) -> None:
+        where = self.inside(path, dir_fd)
         if where is None:
             return
         index = len(self.calls)
@@ -144,12 +148,13 @@ def install(faults: Faults, monkeypatch: pytest.MonkeyPatch) -> None:
         function = real[name]
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            dir_fd = kwargs.get("dir_fd", kwargs.get("src_dir_fd"))
             if name == "open":
                 flags = args[1] if len(args) > 1 else kwargs.get("flags", 0)
                 if flags & WRITE_FLAGS:
-                    faults.hit(name, args[0], creates=bool(flags & os.O_CREAT))
+                    faults.hit(name, args[0], bool(flags & os.O_CREAT), dir_fd)
             else:
-                faults.hit(name, args[0], creates=name in ("write", "mkdir"))
+                faults.hit(name, args[0], name in ("write", "mkdir"), dir_fd)
             return function(*args, **kwargs)
 
         return wrapper
@@ -586,7 +591,7 @@ def test_temp_name_planted_as_link_is_not_followed(
 def test_revert_removes_litter_even_with_nothing_to_revert(
     scene: Scene, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    for name in (".alpha.py.vllm-minimax-tmp", ".vllm-minimax-probe-abc123"):
+    for name in (".alpha.py.vllm-minimax-tmp", ".alpha.py.x2.vllm-minimax-tmp"):
         (scene.target / "vllm" / name).write_text("patched code\n")
     (scene.target / "vllm/new/pkg").mkdir(parents=True)
     (scene.target / "vllm/new/pkg/.gamma.py.x1.vllm-minimax-tmp").write_text("x")
@@ -640,7 +645,7 @@ def test_os_error_advice(
     no_inodes = os.statvfs_result((4096, 4096, 100, 50, 50, 1000, 0, 0, 0, 255))
     monkeypatch.setattr(os, "statvfs", lambda _: no_inodes)
     error = OSError(code, os.strerror(code), "/t/x")
-    message = patchset.describe_os_error(error, vllm_tree=vllm_tree)
+    message = describe_os_error(error, vllm_tree=vllm_tree)
     assert message.startswith(advice), message
     if not vllm_tree:
         assert "vLLM" not in message and "target" not in message
@@ -649,7 +654,7 @@ def test_os_error_advice(
 def test_no_space_when_inodes_remain(monkeypatch: pytest.MonkeyPatch) -> None:
     some_inodes = os.statvfs_result((4096, 4096, 100, 0, 0, 1000, 10, 10, 0, 255))
     monkeypatch.setattr(os, "statvfs", lambda _: some_inodes)
-    message = patchset.describe_os_error(OSError(errno.ENOSPC, "No space", "/t/x"))
+    message = describe_os_error(OSError(errno.ENOSPC, "No space", "/t/x"))
     assert message.startswith("no space left on the device of /t/x: free some space")
 
 
@@ -761,13 +766,37 @@ def test_stale_staging_dir_of_a_dead_run_is_removed(
 def test_a_held_lock_turns_the_second_run_away(
     scene: Scene, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Held by apply or revert (exclusive), the lock turns every command away; apply and revert
+    are not told that an apply or revert runs, since a status or doctor may hold it."""
     descriptor = os.open(scene.target / "vllm", os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
         for command in ("apply", "revert", "status"):
             assert main([command, "--target", str(scene.target)]) == 2
             line = one_line(capsys.readouterr().err)
-            assert "another vllm-minimax apply or revert is running" in line, line
+            if command == "status":
+                assert "another vllm-minimax apply or revert is running" in line, line
+            else:
+                assert "another vllm-minimax command (apply or revert writing it, or status" in line
+        assert scene.manifest() == scene.pristine
+    finally:
+        os.close(descriptor)
+
+
+def test_a_lock_held_by_status_is_not_called_an_apply(
+    scene: Scene, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """status and doctor hold the lock shared: apply and revert are turned away without being
+    told that another apply or revert is running; a second status runs."""
+    descriptor = os.open(scene.target / "vllm", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH)
+        for command in ("apply", "revert"):
+            assert main([command, "--target", str(scene.target)]) == 2
+            line = one_line(capsys.readouterr().err)
+            assert "apply or revert is running" not in line, line
+            assert "or status or doctor reading it" in line, line
+        assert main(["status", "--target", str(scene.target)]) == 1
         assert scene.manifest() == scene.pristine
     finally:
         os.close(descriptor)
@@ -799,10 +828,7 @@ def test_two_processes_racing_apply_and_revert(scene: Scene) -> None:
         assert len(codes) == 16
         assert {code for _, code in codes} <= {"0", "2"}, out
         for line in err.splitlines():
-            assert (
-                "another vllm-minimax apply or revert is running" in line
-                or "nothing to revert" in line
-            ), line
+            assert "another vllm-minimax" in line or "nothing to revert" in line, line
             busy += "another vllm-minimax" in line
     assert scene.manifest() in (scene.pristine, scene.applied)
     assert litter(scene.target) == []

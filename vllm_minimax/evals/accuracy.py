@@ -225,9 +225,14 @@ def first_error_line(log_path: Path) -> str:
         lines = Path(log_path).read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
-    for line in lines:
-        if EXCEPTION_LINE.search(line):
-            return line.strip()
+    raised = [line.strip() for line in lines if EXCEPTION_LINE.search(line)]
+    # A cancelled task is what a timeout or another failure leaves behind, not its cause.
+    causes = [line for line in raised if "CancelledError" not in line] or raised
+    timeouts = [line for line in causes if "TimeoutError" in line]
+    if timeouts:
+        return f"a request timed out (--request-timeout is lm-eval's timeout): {timeouts[0]}"
+    if causes:
+        return causes[0]
     return next((line.strip() for line in reversed(lines) if line.strip()), "(empty log)")
 
 

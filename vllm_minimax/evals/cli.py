@@ -27,6 +27,7 @@ from vllm_minimax.evals.throughput import (
     DEFAULT_REQUEST_TIMEOUT_S,
     RequestTimeouts,
 )
+from vllm_minimax.options import path_argument
 
 AB_DEFAULT_ACCURACY = ["gsm8k", "ruler-32k"]
 AB_DEFAULT_THROUGHPUT = "indexer"
@@ -45,7 +46,11 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
 
     def out_option(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
-            "--out", type=Path, required=True, metavar="DIR", help="directory for the results"
+            "--out",
+            type=path_argument,
+            required=True,
+            metavar="DIR",
+            help="directory for the results",
         )
 
     def client(parser: argparse.ArgumentParser) -> None:
@@ -117,7 +122,7 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     preset_option(accuracy_parser, "accuracy")
     accuracy_options(accuracy_parser)
     accuracy_parser.add_argument(
-        "--baseline", type=Path, metavar="JSON", help="an accuracy.json of an earlier run"
+        "--baseline", type=path_argument, metavar="JSON", help="an accuracy.json of an earlier run"
     )
     accuracy_parser.add_argument(
         "--request-timeout",
@@ -163,7 +168,7 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     ab_parser.add_argument("--model", required=True, help="model to serve (name or directory)")
     ab_parser.add_argument(
         "--config",
-        type=Path,
+        type=path_argument,
         metavar="YAML",
         help="`vllm serve --config` file, e.g. from configs/serve/",
     )
@@ -214,7 +219,7 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="environment variable for the server; repeatable",
     )
-    ab_parser.add_argument("--port", type=int, help="server port (default: a free one)")
+    ab_parser.add_argument("--port", type=port_number, help="server port (default: a free one)")
     ab_parser.add_argument(
         "--startup-timeout",
         type=float,
@@ -223,6 +228,17 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
         help="seconds to wait for /health (default: 1800)",
     )
     ab_parser.set_defaults(handler=run_eval_ab)
+
+
+def port_number(text: str) -> int:
+    """``--port``: a TCP port a server can listen on."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number (1 to 65535)")
+    return port
 
 
 def eval_command(handler: Callable[[argparse.Namespace], int]) -> Callable[..., int]:

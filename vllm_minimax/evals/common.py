@@ -57,6 +57,8 @@ def read_json(path: Path, what: str) -> Any:
         raise EvalError(f"{what} {path} does not exist") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise EvalError(f"{what} {path} is not valid JSON: {error}") from None
+    except RecursionError:
+        raise EvalError(f"{what} {path} is nested too deeply to read") from None
 
 
 def read_yaml_mapping(path: Path, what: str, empty_ok: bool = False) -> dict[str, Any]:
@@ -69,6 +71,8 @@ def read_yaml_mapping(path: Path, what: str, empty_ok: bool = False) -> dict[str
         raise EvalError(f"{what} {path} does not exist") from None
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
         raise EvalError(f"{what} {path} is not valid YAML: {error}") from None
+    except RecursionError:
+        raise EvalError(f"{what} {path} is nested too deeply to read") from None
     if data is None and empty_ok:
         return {}
     if not isinstance(data, dict):

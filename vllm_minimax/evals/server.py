@@ -126,6 +126,7 @@ def check_server(base_url: str, model: str, timeout: float = 10.0) -> ServedMode
         ValueError,
         KeyError,
         TypeError,
+        RecursionError,
     ) as error:
         raise ServerError(
             f"{base_url}/v1/models did not list the served models ({error}); is this a vLLM"
@@ -293,10 +294,11 @@ class VllmServer:
         with kill_group_on_signal(pgid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGTERM)
+            # One grace for the whole group: the API process and the engine processes it
+            # may leave behind.
+            deadline = time.monotonic() + grace
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=grace)
-            # The API process may be gone while its engine processes linger; wait for them.
-            deadline = time.monotonic() + grace
             while process_group_alive(pgid) and time.monotonic() < deadline:
                 time.sleep(0.2)
             with contextlib.suppress(ProcessLookupError):

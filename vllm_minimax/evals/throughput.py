@@ -180,9 +180,11 @@ async def send_request(
     output_tokens = 0
     try:
         try:
-            async with asyncio.timeout(timeouts.first_byte_s):
+            async with asyncio.timeout(timeouts.first_byte_s) as waiting:
                 response = await session.post(url, json=payload)
         except TimeoutError:
+            if not waiting.expired():
+                raise  # the whole request's timeout, reported below
             raise RequestFailed(
                 f"{url} sent no response within {timeouts.first_byte_s:g} s"
                 " (--first-byte-timeout); the server accepts connections but does not answer"
@@ -198,9 +200,9 @@ async def send_request(
                 data = line[len(b"data:") :].strip()
                 if data == b"[DONE]":
                     break
-                chunk = json.loads(data)
+                chunk = stream_chunk(url, data)
                 if chunk.get("usage"):
-                    output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                    output_tokens = completion_tokens(url, chunk["usage"])
                 # Every chunk with a choice is a token step, also one with empty text
                 # (vLLM holds back text that ends inside a UTF-8 character).
                 if not chunk.get("choices"):
@@ -226,6 +228,29 @@ async def send_request(
     if first is None:
         raise RequestFailed(f"{url} streamed nothing for a {shape.output_tokens}-token request")
     return RequestTiming(len(prompt), output_tokens, first - started, latency, gaps)
+
+
+def stream_chunk(url: str, data: bytes) -> dict[str, Any]:
+    """One ``data:`` line of the stream as a JSON object; anything else fails the request."""
+    try:
+        chunk = json.loads(data)
+    except (ValueError, RecursionError):
+        raise RequestFailed(f"{url} streamed a line that is not JSON: {data[:200]!r}") from None
+    if not isinstance(chunk, dict):
+        raise RequestFailed(f"{url} streamed {type(chunk).__name__} where a JSON object belongs")
+    return chunk
+
+
+def completion_tokens(url: str, usage: object) -> int:
+    """``usage.completion_tokens`` of a stream's last chunk: a count, or the request fails."""
+    if not isinstance(usage, dict):
+        raise RequestFailed(f"{url} streamed a usage that is {type(usage).__name__}, not an object")
+    tokens = usage.get("completion_tokens")
+    if tokens is None:
+        return 0
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise RequestFailed(f"{url} streamed a usage whose completion_tokens is {tokens!r}")
+    return tokens
 
 
 async def run_level(

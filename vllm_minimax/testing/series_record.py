@@ -21,7 +21,7 @@ def applied_series(target: Path | None = None) -> dict[str, Any] | None:
     """The applied series of the vLLM at `target` (default: the installed one):
     its vLLM version, series directory name and each patch's name and sha256;
     None where no series is applied."""
-    state = patchset.load_state(patchset.find_vllm_root(target))
+    state = patchset.applied_state(target)
     if state is None:
         return None
     return {
