@@ -208,8 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     warmup_parser.add_argument(
         "--model",
-        default="MiniMaxAI/MiniMax-M3",
-        help="the model served (name or local path; default: MiniMaxAI/MiniMax-M3)",
+        default="MiniMaxAI/MiniMax-M3-MXFP8",
+        help="the model served (name or local path; default: MiniMaxAI/MiniMax-M3-MXFP8,"
+        " the checkpoint the SM90 configs are for)",
     )
     warmup_parser.add_argument(
         "--cache-dir",
