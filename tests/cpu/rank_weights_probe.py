@@ -4,11 +4,11 @@
 
 Run in a subprocess by test_rank_weight_layouts.py. Per DIR (a ``make-tiny-model --geometry
 m3-tpN-rank`` directory): the quantization method vLLM's own ``ModelConfig`` resolves from its
-config.json and the config class vLLM builds for it. Then, for the MXFP8 MoE of each DIR's
-experts, the backend vLLM 0.34.0's MXFP8 oracle (``fused_moe/oracle/mxfp8.py``) picks on an
-SM90 CUDA device, as the platform reports one (capability 9.0; no kernel runs): with the
-installed ``humming`` package and without it, and every backend's verdict in priority order;
-the same with ``VLLM_HUMMING_MOE_GEMM_TYPE=grouped``; and, for comparison, what one rank of the
+config.json and the config class vLLM builds for it. For each DIR whose quantization is MXFP8,
+the MoE backend vLLM 0.34.0's MXFP8 oracle (``fused_moe/oracle/mxfp8.py``) picks on an SM90
+CUDA device, as the platform reports one (capability 9.0; no kernel runs): with the installed
+``humming`` package and without it, and every backend's verdict in priority order; the same
+with ``VLLM_HUMMING_MOE_GEMM_TYPE=grouped``; and, for comparison, what one rank of the
 deployed TP 8 + EP 8 engine (128 experts, 16 on the rank) gets.
 """
 
@@ -164,11 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {}
     for model_dir in args.models:
         config = json.loads((model_dir / "config.json").read_text())
-        result[str(model_dir)] = {
-            **resolved_quantization(model_dir),
-            "sm90_mxfp8_moe": sm90_moe_backends(config),
-            "sm90_mxfp8_moe_grouped": sm90_moe_backends(config, env={HUMMING_GEMM_ENV: "grouped"}),
-        }
+        result[str(model_dir)] = resolved_quantization(model_dir)
+        if result[str(model_dir)]["quantization"] == "mxfp8":
+            result[str(model_dir)].update(
+                sm90_mxfp8_moe=sm90_moe_backends(config),
+                sm90_mxfp8_moe_grouped=sm90_moe_backends(config, env={HUMMING_GEMM_ENV: "grouped"}),
+            )
     # What a rank of the deployed TP 8 + EP 8 engine gets, for comparison.
     result["deployed-ep8-rank"] = {"sm90_mxfp8_moe": sm90_moe_backends(M3_TEXT_CONFIG, 8)}
     print(json.dumps(result))
