@@ -3,7 +3,7 @@
 #   docker build -t vllm-minimax:0.34.0 .
 #   docker build --build-arg VLLM_IMAGE_TAG=v0.33.0 -t vllm-minimax:0.33.0 .
 #   docker run --gpus all --ipc=host -p 8000:8000 vllm-minimax:0.34.0 \
-#       MiniMaxAI/MiniMax-M3 --config /opt/vllm-minimax/configs/serve/h200-8x.yaml
+#       MiniMaxAI/MiniMax-M3-MXFP8 --config /opt/vllm-minimax/configs/serve/h200-8x.yaml
 # The tag picks the vLLM release; docker/build.sh fails the build when that vLLM
 # has no series in patches/ or is not the tag's version.
 ARG VLLM_IMAGE_TAG=v0.34.0

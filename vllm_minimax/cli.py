@@ -214,6 +214,21 @@ def build_parser() -> argparse.ArgumentParser:
         " tokenizer of one GPU's share of MiniMax M3 served with tensor parallelism N (no"
         " weights: serve it with load-format dummy; see docs/real-geometry.md)",
     )
+    tiny_parser.add_argument(
+        "--weights",
+        choices=("fp8-online", "mxfp8", "bf16"),
+        default=None,
+        help="with --geometry m3-tpN-rank: how the dummy weights are stored when served:"
+        " fp8-online (default: the serve config sets quantization fp8), mxfp8 (config.json"
+        " carries MiniMaxAI/MiniMax-M3-MXFP8's quantization config) or bf16",
+    )
+    tiny_parser.add_argument(
+        "--experts",
+        choices=("tp", "ep"),
+        default=None,
+        help="with --geometry m3-tpN-rank: tp (default: all 128 experts, 3072 / N wide) or ep"
+        " (128 / N whole experts, as enable-expert-parallel serves them)",
+    )
     tiny_parser.set_defaults(handler=run_make_tiny_model)
 
     warmup_parser = commands.add_parser(
@@ -225,8 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     warmup_parser.add_argument(
         "--model",
-        default="MiniMaxAI/MiniMax-M3",
-        help="the model served (name or local path; default: MiniMaxAI/MiniMax-M3)",
+        default="MiniMaxAI/MiniMax-M3-MXFP8",
+        help="the model served (name or local path; default: MiniMaxAI/MiniMax-M3-MXFP8,"
+        " the checkpoint the SM90 configs are for)",
     )
     warmup_parser.add_argument(
         "--cache-dir",
@@ -421,18 +437,30 @@ def run_make_rank_model(args: argparse.Namespace) -> int:
             f"--geometry {args.geometry} writes MiniMax M3's config without weights;"
             f" {', '.join(ignored)} would do nothing there"
         )
+    weights = args.weights or tiny_model.DEFAULT_WEIGHT_LAYOUT
+    experts = args.experts or tiny_model.DEFAULT_EXPERT_LAYOUT
     check_model_directory(args.directory, args.force)
     made = write_directory_whole(
-        args.directory, lambda d: tiny_model.make_rank_model(d, args.geometry)
+        args.directory,
+        lambda d: tiny_model.make_rank_model(d, args.geometry, weights, experts),
     )
-    size = made["bytes"]
+    size = made["bytes"][{"fp8-online": "fp8", "mxfp8": "mxfp8", "bf16": "bf16"}[weights]]
+    held = "whole experts (expert parallel)" if experts == "ep" else "expert slices (TP)"
     print(
         f"wrote one rank of MiniMax M3 at tensor parallelism {made['tensor_parallel_size']}"
-        f" ({tiny_model.ARCHITECTURE}, {made['parameters']:,} parameters: {size['bf16'] / 1e9:.1f}"
-        f" GB in bf16, {size['fp8'] / 1e9:.1f} GB with fp8 weights; config and tokenizer only,"
-        f" serve with load-format dummy) to {args.directory}"
+        f" ({tiny_model.ARCHITECTURE}, {held}, {made['parameters']:,} parameters:"
+        f" {size / 1e9:.1f} GB as {weights}; config and tokenizer only, serve with load-format"
+        f" dummy{SERVE_HINT[weights]}) to {args.directory}"
     )
     return 0
+
+
+# What a rank slice's serve config must say for its weight layout.
+SERVE_HINT = {
+    "fp8-online": " and quantization fp8",
+    "mxfp8": ", no quantization option: config.json names it",
+    "bf16": ", no quantization option",
+}
 
 
 def run_make_tiny_model(args: argparse.Namespace) -> int:
@@ -442,6 +470,15 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
         args.geometry != tiny_model.TINY_GEOMETRY or args.kind == "llama"
     ):
         raise UserError("--for-vllm applies to the tiny MiniMax M3 (--geometry tiny) only")
+    rank_only = [
+        option
+        for option, given in (("--weights", args.weights), ("--experts", args.experts))
+        if given is not None
+    ]
+    if rank_only and args.geometry == tiny_model.TINY_GEOMETRY:
+        raise UserError(
+            f"{', '.join(rank_only)} applies to the rank geometries (--geometry m3-tpN-rank) only"
+        )
     if args.geometry != tiny_model.TINY_GEOMETRY:
         return run_make_rank_model(args)
     if args.kind == "llama" and (args.initializer_range is not None or args.mtp_modules):

@@ -582,6 +582,27 @@ M3_TEXT_CONFIG: dict[str, Any] = {
 TINY_GEOMETRY = "tiny"
 # --geometry NAME -> the tensor-parallel size whose one rank it is.
 RANK_GEOMETRIES: dict[str, int] = {"m3-tp8-rank": 8, "m3-tp4-rank": 4, "m3-tp2-rank": 2}
+# --experts: how the rank holds the routed experts. ``tp``: all 128, each 3072 / N wide (vLLM
+# without expert parallelism); ``ep``: 128 / N whole experts of 3072 (``enable-expert-parallel``
+# with the EP group the TP group, as the serving configs deploy).
+EXPERT_LAYOUTS = ("tp", "ep")
+DEFAULT_EXPERT_LAYOUT = "tp"
+# --weights: how the slice's (dummy) weights are stored when served. ``fp8-online``: the
+# config.json says nothing, the serve config sets ``quantization: fp8`` (vLLM quantizes the
+# dummy bf16 weights per tensor at load); ``mxfp8``: config.json carries the quantization
+# config of MiniMaxAI/MiniMax-M3-MXFP8 (:data:`MXFP8_QUANTIZATION_CONFIG`); ``bf16``: nothing,
+# served as is (MiniMaxAI/MiniMax-M3).
+WEIGHT_LAYOUTS = ("fp8-online", "mxfp8", "bf16")
+DEFAULT_WEIGHT_LAYOUT = "fp8-online"
+# What vLLM 0.34.0 reads from a MiniMax checkpoint tagged ``quant_method: mxfp8``
+# (``ModelOptMxFp8Config.from_config``): the tag, which it maps to ``modelopt_mxfp8``, and
+# ``ignored_layers`` (its exclude list). MiniMaxAI/MiniMax-M3-MXFP8's own list is not known
+# here; ``lm_head`` is assumed on it (vllm_minimax/memory_budget.py states the same
+# assumption), the router is never quantized (vLLM builds it without the quantization config).
+MXFP8_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "mxfp8",
+    "ignored_layers": ["lm_head"],
+}
 GEOMETRIES = (TINY_GEOMETRY, *RANK_GEOMETRIES)
 # vLLM pads a vocab-parallel embedding to a multiple of this before sharding it
 # (DEFAULT_VOCAB_PADDING_SIZE in vllm/model_executor/layers/vocab_parallel_embedding.py).
@@ -594,8 +615,15 @@ def _divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-def rank_text_config(tensor_parallel_size: int, full: dict[str, Any] | None = None) -> dict:
+def rank_text_config(
+    tensor_parallel_size: int,
+    full: dict[str, Any] | None = None,
+    experts: str = DEFAULT_EXPERT_LAYOUT,
+) -> dict:
     """The text config whose TP=1 model is one rank of ``full`` served with TP-N.
+
+    ``experts="ep"``: the rank holds ``num_local_experts / N`` whole experts instead (expert
+    parallelism over the TP group), see :func:`expert_parallel_rank_config`.
 
     As vLLM 0.34.0's MiniMax M3 shards under TP without expert parallelism: attention heads
     split N ways (column-parallel q, row-parallel o); KV heads split while there are at
@@ -629,7 +657,35 @@ def rank_text_config(tensor_parallel_size: int, full: dict[str, Any] | None = No
         ),
         vocab_size=_divide(padded_vocab, n, "the padded vocab"),
     )
+    if experts == "ep":
+        return expert_parallel_rank_config(
+            config, full_config=M3_TEXT_CONFIG if full is None else full, size=n
+        )
+    if experts != "tp":
+        raise ValueError(f"experts {experts!r}: one of {', '.join(EXPERT_LAYOUTS)}")
     return config
+
+
+def expert_parallel_rank_config(
+    config: dict[str, Any], full_config: dict[str, Any], size: int
+) -> dict[str, Any]:
+    """``config`` (a TP-N rank's) with the routed experts of an EP-N rank: ``num_local_experts
+    / N`` experts at the full ``intermediate_size``.
+
+    Two things a TP=1 model cannot reproduce exactly. vLLM builds the shared expert from
+    ``intermediate_size`` too, so the slice's is full width (3072), where an EP rank holds it
+    TP-sharded (3072 / N). And an EP-N rank receives, per token, the (token, expert) pairs
+    that land on its experts: ``top_k / N`` on average under balanced routing (0.5 at
+    top-4, N = 8), which a model's integer top-k cannot be; the slice routes each token to
+    ``max(1, top_k // N)`` of its experts, the fewest it can."""
+    experts = _divide(full_config["num_local_experts"], size, "num_local_experts")
+    return {
+        **config,
+        "num_local_experts": experts,
+        "num_experts_per_tok": max(1, full_config["num_experts_per_tok"] // size),
+        "intermediate_size": full_config["intermediate_size"],
+        "shared_intermediate_size": full_config["intermediate_size"],
+    }
 
 
 def parameter_counts(config: dict[str, Any]) -> dict[str, int]:
@@ -659,10 +715,15 @@ def parameter_counts(config: dict[str, Any]) -> dict[str, int]:
 
 
 def weight_bytes(counts: dict[str, int]) -> dict[str, int]:
-    """Bytes of the weights in bf16, and with fp8 projections and experts (the router
-    stays fp32, embedding, LM head and norms bf16; per-tensor scales left out)."""
+    """Bytes of the weights in bf16, with fp8 projections and experts (per-tensor scales
+    left out) and with MXFP8 ones (one e8m0 scale byte per 32 weights); the router stays
+    fp32, embedding, LM head and norms bf16."""
     kept = 2 * (counts["embedding"] + counts["norm"]) + 4 * counts["router"]
-    return {"bf16": 2 * counts["linear"] + kept, "fp8": counts["linear"] + kept}
+    return {
+        "bf16": 2 * counts["linear"] + kept,
+        "fp8": counts["linear"] + kept,
+        "mxfp8": counts["linear"] + counts["linear"] // 32 + kept,
+    }
 
 
 def write_config_only_model(directory: Path, fields: dict[str, Any]) -> Path:
@@ -691,14 +752,27 @@ def write_config_only_model(directory: Path, fields: dict[str, Any]) -> Path:
     return directory
 
 
-def make_rank_model(directory: Path, geometry: str) -> dict[str, Any]:
+def make_rank_model(
+    directory: Path,
+    geometry: str,
+    weights: str = DEFAULT_WEIGHT_LAYOUT,
+    experts: str = DEFAULT_EXPERT_LAYOUT,
+) -> dict[str, Any]:
     """Write the config and tokenizer of one rank of MiniMax M3 served with TP-N (no
-    weights: serve it with ``load_format: dummy``); return a short summary."""
-    fields = rank_text_config(RANK_GEOMETRIES[geometry])
+    weights: serve it with ``load_format: dummy``), its experts held as ``experts`` says and
+    its weights stored as ``weights`` says (:data:`WEIGHT_LAYOUTS`); return a short
+    summary."""
+    if weights not in WEIGHT_LAYOUTS:
+        raise ValueError(f"weights {weights!r}: one of {', '.join(WEIGHT_LAYOUTS)}")
+    fields = rank_text_config(RANK_GEOMETRIES[geometry], experts=experts)
+    if weights == "mxfp8":
+        fields["quantization_config"] = dict(MXFP8_QUANTIZATION_CONFIG)
     counts = parameter_counts(fields)
     return {
         "directory": write_config_only_model(directory, fields),
         "tensor_parallel_size": RANK_GEOMETRIES[geometry],
+        "weights": weights,
+        "experts": experts,
         "parameters": sum(counts.values()),
         "bytes": weight_bytes(counts),
     }

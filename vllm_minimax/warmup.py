@@ -27,7 +27,7 @@ WORKSPACE_ENV = "FLASHINFER_WORKSPACE_BASE"
 # What the build may write: the 89 programs of FlashInfer's full SM90 set took
 # 159 MB; one engine's set is a part of it.
 MIN_FREE_BYTES = 512 * 1024 * 1024
-DEFAULT_MODEL = "MiniMaxAI/MiniMax-M3"
+DEFAULT_MODEL = "MiniMaxAI/MiniMax-M3-MXFP8"
 
 
 class WarmupError(Exception):

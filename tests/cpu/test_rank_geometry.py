@@ -146,6 +146,7 @@ def test_weight_bytes_by_storage():
     assert weight_bytes(counts) == {
         "bf16": 2 * 1000 + 2 * 101 + 4 * 10,
         "fp8": 1000 + 2 * 101 + 4 * 10,
+        "mxfp8": 1000 + 1000 // 32 + 2 * 101 + 4 * 10,
     }
 
 

@@ -1,0 +1,214 @@
+"""`vllm_minimax.memory_budget`: MiniMax M3's per-GPU weights by checkpoint layout agree with
+the parameter counts the rank-geometry probe checks against vLLM's own build, its KV bytes a
+token agree with what vLLM 0.34.0 allotted on the H200 rank slice, and every SM90 serving
+config states a budget that names its checkpoint, restates the computed weights and fits
+``gpu-memory-utilization`` x the card."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from vllm_minimax.memory_budget import (
+    CHECKPOINTS,
+    GIB,
+    BudgetError,
+    Parallelism,
+    check_serving_config,
+    kv_bytes_per_token,
+    parameters_per_gpu,
+    read_stated_budget,
+    weight_bytes_per_gpu,
+)
+from vllm_minimax.tiny_model import M3_TEXT_CONFIG, parameter_counts, rank_text_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO / "configs" / "serve"
+# Hopper configs: the H100 and H200 ones.
+SM90_CONFIGS = sorted(path for path in CONFIG_DIR.glob("h[12]00-*.yaml"))
+MXFP8 = CHECKPOINTS["MiniMaxAI/MiniMax-M3-MXFP8"]
+BF16 = CHECKPOINTS["MiniMaxAI/MiniMax-M3"]
+LINEAR_PARTS = ("attention", "dense_mlp", "shared_expert", "routed_experts")
+SLICE_LOG = REPO / "results" / "h200" / "m3-tp8-rank" / "2026-12-04-profile" / "log.txt"
+# Where the serving configs are launched from: `vllm serve MODEL --config .../FILE` (and the
+# image's `... vllm-minimax:TAG MODEL --config ...`), `eval ab --config .../FILE --model MODEL`.
+LAUNCH_DOCS = [
+    REPO / "README.md",
+    CONFIG_DIR / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+    *SM90_CONFIGS,
+]
+MODEL_THEN_CONFIG = re.compile(
+    r"(?P<model>[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)\s+--config\s+\S*configs/serve/(?P<file>[\w.-]+\.yaml)"
+)
+CONFIG_THEN_MODEL = re.compile(
+    r"--config\s+\S*configs/serve/(?P<file>[\w.-]+\.yaml)\s+--model\s+(?P<model>\S+)"
+)
+
+
+def test_full_model_is_the_tiny_models_parameter_count():
+    """At TP 1 the parts add up to what ``parameter_counts`` (checked against vLLM's build
+    by the rank-geometry probe) counts, part for part."""
+    parts = parameters_per_gpu(Parallelism())
+    counts = parameter_counts(M3_TEXT_CONFIG)
+    assert sum(parts[name] for name in LINEAR_PARTS) == counts["linear"]
+    assert {name: parts[name] for name in ("router", "embedding", "norm")} == {
+        name: counts[name] for name in ("router", "embedding", "norm")
+    }
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_tensor_parallel_rank_is_the_rank_configs_count(size):
+    """A TP-N rank holds what the rank slice's config holds at TP 1, except the embedding
+    rows vLLM pads again when it builds the slice (vocab / N padded to 64)."""
+    parts = parameters_per_gpu(Parallelism(tensor_parallel_size=size))
+    counts = parameter_counts(rank_text_config(size))
+    assert sum(parts[name] for name in LINEAR_PARTS) == counts["linear"]
+    assert (parts["router"], parts["norm"]) == (counts["router"], counts["norm"])
+    assert parts["embedding"] == 2 * (200064 // size) * 6144 <= counts["embedding"]
+
+
+def test_expert_parallel_rank_holds_16_whole_experts():
+    ep = parameters_per_gpu(Parallelism(tensor_parallel_size=8, enable_expert_parallel=True))
+    tp = parameters_per_gpu(Parallelism(tensor_parallel_size=8))
+    assert ep["routed_experts"] == 57 * 16 * 3 * 3072 * 6144 == tp["routed_experts"]
+    two_nodes = Parallelism(8, data_parallel_size=2, enable_expert_parallel=True)
+    assert parameters_per_gpu(two_nodes)["routed_experts"] == 57 * 8 * 3 * 3072 * 6144
+    # Without EP a second data-parallel engine holds every expert again.
+    assert parameters_per_gpu(Parallelism(8, 2, False))["routed_experts"] == tp["routed_experts"]
+
+
+def test_whole_checkpoints_match_their_published_sizes():
+    """Text model only (the published checkpoints add a ~1.3 GB bf16 vision tower): BF16
+    ~852 GB of ~854 published; MXFP8 ~442 GB of ~444 published, which needs the attention
+    quantized too (bf16 attention would add ~6.6 GB)."""
+    bf16 = sum(weight_bytes_per_gpu(BF16, Parallelism()).values()) / 1e9
+    mxfp8 = weight_bytes_per_gpu(MXFP8, Parallelism())
+    assert 851 < bf16 < 854
+    assert 441 < sum(mxfp8.values()) / 1e9 < 444
+    assert 6.5e9 < mxfp8["attention"] * (2 - 33 / 32) < 6.8e9
+
+
+def test_mxfp8_stores_one_scale_byte_per_32_weights():
+    parallelism = Parallelism(tensor_parallel_size=8, enable_expert_parallel=True)
+    mxfp8 = weight_bytes_per_gpu(MXFP8, parallelism)
+    counts = parameters_per_gpu(parallelism)
+    assert mxfp8["routed_experts"] == counts["routed_experts"] * 33 / 32
+    assert mxfp8["embedding"] == 2 * counts["embedding"]
+    assert mxfp8["router"] == 4 * counts["router"]
+
+
+def test_kv_bytes_per_token_is_what_vllm_allotted_on_the_h200_slice():
+    """The TP-8 rank slice (bf16 KV cache, fp8 index cache, no MTP) logged its KV cache's
+    tokens and GiB; 38016 bytes a token reproduces the GiB it logged."""
+    log = SLICE_LOG.read_text()
+    tokens = int(re.search(r"GPU KV cache size: ([0-9,]+) tokens", log)[1].replace(",", ""))
+    logged_gib = float(re.search(r"KV cache blocks \(([0-9.]+) GiB\) fit", log)[1])
+    assert "indexer_kv_dtype='fp8'" in log and "kv_cache_dtype=auto" in log
+    per_token = kv_bytes_per_token(Parallelism(tensor_parallel_size=8), "auto", "fp8")
+    assert per_token == 60 * 2 * 128 * 2 + 57 * 128 == 38016
+    assert round(tokens * per_token / GIB, 2) == logged_gib
+
+
+def test_there_are_sm90_configs():
+    names = {path.name for path in SM90_CONFIGS}
+    assert {"h100-8x.yaml", "h200-8x.yaml", "h100-16x-2node.yaml"} <= names
+
+
+@pytest.mark.parametrize("config", SM90_CONFIGS, ids=lambda path: path.name)
+def test_sm90_config_fits_its_checkpoint(config):
+    check = check_serving_config(config)
+    assert check.fits, (
+        f"{config.name}: weights {check.weights_gib:.2f} + KV {check.kv_gib:.2f} + reserve"
+        f" {check.budget.reserve_gib} = {check.used_gib:.2f} GiB >"
+        f" {check.gpu_memory_utilization} x {check.budget.card.total_gib} GiB"
+    )
+    assert check.budget.weights_gib == pytest.approx(check.weights_gib, abs=0.005), (
+        f"{config.name} states {check.budget.weights_gib} GiB of weights; they are"
+        f" {check.weights_gib:.2f}"
+    )
+    assert check.budget.card.name.split("-")[0].lower() == config.name.split("-")[0]
+
+
+@pytest.mark.parametrize("config", SM90_CONFIGS, ids=lambda path: path.name)
+def test_h100_configs_are_for_mxfp8_and_bf16_only_with_its_own_file(config):
+    """The BF16 checkpoint does not fit an H100; on the H200 it is offered only by a config
+    whose name says so (its budget states its KV room)."""
+    checkpoint = read_stated_budget(config.read_text(), config.name).checkpoint
+    if config.name.startswith("h100"):
+        assert checkpoint == MXFP8
+    assert (checkpoint == BF16) == ("bf16" in config.name)
+
+
+def test_bf16_does_not_fit_an_h100(tmp_path):
+    """The arithmetic refuses what the issue found: BF16 on 8 x H100."""
+    h100 = (CONFIG_DIR / "h100-8x.yaml").read_text()
+    planted = tmp_path / "h100-8x-bf16.yaml"
+    planted.write_text(h100.replace(MXFP8.name, BF16.name))
+    check = check_serving_config(planted)
+    assert check.weights_gib > 100 and not check.fits
+
+
+def test_a_kv_budget_past_the_card_does_not_fit(tmp_path):
+    h200 = (CONFIG_DIR / "h200-8x.yaml").read_text()
+    stated = read_stated_budget(h200).kv_tokens
+    planted = tmp_path / "h200-8x.yaml"
+    planted.write_text(h200.replace(f"{stated:,} tokens", f"{2 * stated:,} tokens", 1))
+    assert read_stated_budget(planted.read_text()).kv_tokens == 2 * stated
+    assert check_serving_config(planted).fits is False
+
+
+def test_a_lower_gpu_memory_utilization_is_read(tmp_path):
+    h100 = (CONFIG_DIR / "h100-8x.yaml").read_text()
+    planted = tmp_path / "h100-8x.yaml"
+    planted.write_text(h100 + "\ngpu-memory-utilization: 0.8\n")
+    check = check_serving_config(planted)
+    assert check.limit_gib == pytest.approx(0.8 * 79.19) and not check.fits
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda text: text.replace("# Memory budget per GPU", "# Memory"), "no '# Memory budget"),
+        (lambda text: re.sub(r"(?m)^#\s+reserve:.*\n", "", text), "lacks reserve"),
+        (lambda text: text.replace("gpu: H100-80GB", "gpu: A100-80GB"), "unknown gpu"),
+        (lambda text: text.replace("MiniMaxAI/MiniMax-M3-MXFP8", "x/y"), "unknown checkpoint"),
+    ],
+    ids=["no-block", "missing-field", "unknown-gpu", "unknown-checkpoint"],
+)
+def test_a_malformed_budget_is_refused(edit, message):
+    text = edit((CONFIG_DIR / "h100-8x.yaml").read_text())
+    with pytest.raises(BudgetError, match=re.escape(message)):
+        read_stated_budget(text, "h100-8x.yaml")
+
+
+def _launches() -> list[tuple[Path, str, str]]:
+    found = []
+    for doc in LAUNCH_DOCS:
+        text = doc.read_text().replace("\\\n", " ")
+        for pattern in (MODEL_THEN_CONFIG, CONFIG_THEN_MODEL):
+            found += [(doc, match["file"], match["model"]) for match in pattern.finditer(text)]
+    return found
+
+
+def test_every_launch_of_an_sm90_config_names_its_checkpoint():
+    sm90 = {path.name: path for path in SM90_CONFIGS}
+    launches = [(doc, name, model) for doc, name, model in _launches() if name in sm90]
+    wrong = [
+        f"{doc.relative_to(REPO)}: {model} --config {name}"
+        for doc, name, model in launches
+        if not _names(model, read_stated_budget(sm90[name].read_text()).checkpoint.name)
+    ]
+    assert not wrong, wrong
+    # Each is launched where users look, not only in its own header.
+    documented = {name for doc, name, _ in launches if doc.suffix == ".md"}
+    assert documented == set(sm90)
+
+
+def _names(model: str, checkpoint: str) -> bool:
+    """``model`` is the checkpoint's hub name, or a local copy of it under its own name."""
+    if model.startswith("/"):
+        return Path(model).name == checkpoint.split("/")[1]
+    return model == checkpoint
