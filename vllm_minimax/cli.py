@@ -210,9 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--geometry",
         choices=tiny_model_geometries(),
         default="tiny",
-        help="tiny (default: random weights, 4 small layers), or m3-tpN-rank: config and"
-        " tokenizer of one GPU's share of MiniMax M3 served with tensor parallelism N (no"
-        " weights: serve it with load-format dummy; see docs/real-geometry.md)",
+        help="tiny (default: random weights, 4 small layers); m3-heads: random weights, 4"
+        " narrow layers with MiniMax M3's 64 query, 4 KV and 4 index heads (serve it at TP 1,"
+        " 2, 4 or 8; see docs/multi-gpu.md); m3-tpN-rank: config and tokenizer of one GPU's"
+        " share of MiniMax M3 served with tensor parallelism N; m3: config and tokenizer of"
+        " the whole model in the published layout (no weights for either: serve with"
+        " load-format dummy; see docs/real-geometry.md)",
     )
     tiny_parser.add_argument(
         "--weights",
@@ -420,7 +423,7 @@ def tiny_model_geometries() -> tuple[str, ...]:
 
 
 def run_make_rank_model(args: argparse.Namespace) -> int:
-    """``make-tiny-model --geometry m3-tpN-rank``: a config, no weights to draw."""
+    """``make-tiny-model --geometry m3-tpN-rank`` or ``m3``: a config, no weights to draw."""
     from vllm_minimax import tiny_model
 
     ignored = [
@@ -440,6 +443,17 @@ def run_make_rank_model(args: argparse.Namespace) -> int:
     weights = args.weights or tiny_model.DEFAULT_WEIGHT_LAYOUT
     experts = args.experts or tiny_model.DEFAULT_EXPERT_LAYOUT
     check_model_directory(args.directory, args.force)
+    if args.geometry == tiny_model.M3_GEOMETRY:
+        made = write_directory_whole(args.directory, tiny_model.make_m3_model)
+        size = made["bytes"]
+        print(
+            f"wrote MiniMax M3 ({tiny_model.PUBLISHED_MODEL_TYPE} layout,"
+            f" {tiny_model.M3_MTP_MODULES} MTP module declared, {made['parameters']:,}"
+            f" parameters without it: {size['bf16'] / 1e9:.0f} GB in bf16, {size['fp8'] / 1e9:.0f}"
+            f" GB with fp8 weights; config and tokenizer only, serve with load-format dummy) to"
+            f" {args.directory}"
+        )
+        return 0
     made = write_directory_whole(
         args.directory,
         lambda d: tiny_model.make_rank_model(d, args.geometry, weights, experts),
@@ -466,23 +480,27 @@ SERVE_HINT = {
 def run_make_tiny_model(args: argparse.Namespace) -> int:
     from vllm_minimax import tiny_model
 
-    if args.for_vllm is not None and (
-        args.geometry != tiny_model.TINY_GEOMETRY or args.kind == "llama"
-    ):
-        raise UserError("--for-vllm applies to the tiny MiniMax M3 (--geometry tiny) only")
+    random_weights = args.geometry in tiny_model.RANDOM_WEIGHT_GEOMETRIES
+    if args.for_vllm is not None and (not random_weights or args.kind == "llama"):
+        raise UserError(
+            "--for-vllm applies to the tiny MiniMax M3 and the other random-weight geometries"
+            f" ({', '.join(tiny_model.RANDOM_WEIGHT_GEOMETRIES)}) only"
+        )
     rank_only = [
         option
         for option, given in (("--weights", args.weights), ("--experts", args.experts))
         if given is not None
     ]
-    if rank_only and args.geometry == tiny_model.TINY_GEOMETRY:
+    if rank_only and args.geometry not in tiny_model.RANK_GEOMETRIES:
         raise UserError(
             f"{', '.join(rank_only)} applies to the rank geometries (--geometry m3-tpN-rank) only"
         )
-    if args.geometry != tiny_model.TINY_GEOMETRY:
+    if not random_weights:
         return run_make_rank_model(args)
     if args.kind == "llama" and (args.initializer_range is not None or args.mtp_modules):
         raise UserError("--initializer-range and --mtp-modules apply to --kind minimax-m3 only")
+    if args.kind == "llama" and args.geometry != tiny_model.TINY_GEOMETRY:
+        raise UserError(f"--geometry {args.geometry} is a MiniMax M3; --kind llama has its own")
     directory: Path = args.directory
     check_model_directory(directory, args.force)
     if args.kind == "llama":
@@ -504,10 +522,12 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
             initializer_range=initializer_range,
             mtp_modules=args.mtp_modules,
             config_layout=args.for_vllm or tiny_model.DEFAULT_CONFIG_LAYOUT,
+            text_config=tiny_model.RANDOM_WEIGHT_GEOMETRIES[args.geometry],
         ),
     )
     print(
-        f"wrote a tiny MiniMax M3 ({tiny_model.ARCHITECTURE}, {made['parameters']:,} parameters"
+        f"wrote a {args.geometry} MiniMax M3 ({tiny_model.ARCHITECTURE},"
+        f" {made['parameters']:,} parameters"
         f" in {made['tensors']} tensors, config for vLLM"
         f" {args.for_vllm or tiny_model.DEFAULT_CONFIG_LAYOUT}) to {directory}"
     )

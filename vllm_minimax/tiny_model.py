@@ -90,6 +90,8 @@ MTP_SUBDIRECTORY = "mtp"
 # The vLLM releases whose config parsing the config.json files can be written for (--for-vllm).
 CONFIG_LAYOUTS = ("0.34.0", "0.33.0")
 DEFAULT_CONFIG_LAYOUT = "0.34.0"
+# The layout whose config.json is the published minimax_m3_vl wrapper.
+PUBLISHED_MODEL_TYPE_LAYOUT = "0.33.0"
 # The published checkpoint's model type: vLLM 0.33.0's MiniMaxM3Config, transformers'
 # MiniMaxM3VLConfig.
 PUBLISHED_MODEL_TYPE = "minimax_m3_vl"
@@ -238,11 +240,17 @@ def _save_tokenizer(tokenizer, directory: Path, model_max_length: int, **special
     return fast
 
 
-def tiny_config(tokenizer, initializer_range: float = DEFAULT_INITIALIZER_RANGE):
+def tiny_config(
+    tokenizer,
+    initializer_range: float = DEFAULT_INITIALIZER_RANGE,
+    text_config: dict[str, Any] | None = None,
+):
+    """The transformers config of a random-weight geometry (``text_config``, default
+    :data:`TINY_TEXT_CONFIG`) with ``tokenizer``'s vocab and special tokens."""
     from transformers import MiniMaxM3VLTextConfig
 
     config = MiniMaxM3VLTextConfig(
-        **TINY_TEXT_CONFIG,
+        **(TINY_TEXT_CONFIG if text_config is None else text_config),
         initializer_range=initializer_range,
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
@@ -320,10 +328,13 @@ def make_tiny_model(
     initializer_range: float = DEFAULT_INITIALIZER_RANGE,
     mtp_modules: int = 0,
     config_layout: str = DEFAULT_CONFIG_LAYOUT,
+    text_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write the tiny checkpoint into ``directory`` (and, with ``mtp_modules`` > 0, its MTP
     draft into ``directory / MTP_SUBDIRECTORY``), its ``config.json`` files in the layout of
-    vLLM ``config_layout`` (one of ``CONFIG_LAYOUTS``); return a short summary."""
+    vLLM ``config_layout`` (one of ``CONFIG_LAYOUTS``); return a short summary.
+    ``text_config``: the geometry (default :data:`TINY_TEXT_CONFIG`; one of
+    :data:`RANDOM_WEIGHT_GEOMETRIES`' values)."""
     if config_layout not in CONFIG_LAYOUTS:
         raise ValueError(f"config layout {config_layout!r}: one of {', '.join(CONFIG_LAYOUTS)}")
     import torch
@@ -333,12 +344,12 @@ def make_tiny_model(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(directory)
-    config = tiny_config(tokenizer, initializer_range)
+    config = tiny_config(tokenizer, initializer_range, text_config)
     torch.manual_seed(seed)
     model = MiniMaxM3VLForCausalLM(config).to(torch.bfloat16).eval()
     weights = to_checkpoint_names(model.state_dict())
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    written = flat_config_json(config, directory)
+    written = flat_config_json(config, directory, text_config)
     _write_json(directory / "config.json", target_config_json(written, config_layout))
     parameters = sum(t.numel() for t in weights.values())
     summary: dict[str, Any] = {
@@ -358,12 +369,15 @@ def make_tiny_model(
     return summary
 
 
-def flat_config_json(config, directory: Path) -> dict[str, Any]:
-    """``config`` as transformers saves it into ``directory``, with the whole geometry spelled
-    out (save_pretrained may drop fields equal to the class defaults) and the architecture."""
+def flat_config_json(
+    config, directory: Path, text_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``config`` as transformers saves it into ``directory``, with the whole geometry
+    (``text_config``, default :data:`TINY_TEXT_CONFIG`) spelled out (save_pretrained may drop
+    fields equal to the class defaults) and the architecture."""
     config.save_pretrained(directory)
     written = json.loads((Path(directory) / "config.json").read_text())
-    written.update(TINY_TEXT_CONFIG)
+    written.update(TINY_TEXT_CONFIG if text_config is None else text_config)
     written["architectures"] = [ARCHITECTURE]
     return written
 
@@ -373,6 +387,7 @@ def write_tiny_config_files(
     mtp_modules: int = 0,
     config_layout: str = DEFAULT_CONFIG_LAYOUT,
     initializer_range: float = DEFAULT_INITIALIZER_RANGE,
+    text_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The tiny checkpoint less its weights: the tokenizer and the ``config.json`` files
     (target and, with ``mtp_modules`` > 0, draft) that :func:`make_tiny_model` writes, which
@@ -380,7 +395,9 @@ def write_tiny_config_files(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = flat_config_json(
-        tiny_config(build_tokenizer(directory), initializer_range), directory
+        tiny_config(build_tokenizer(directory), initializer_range, text_config),
+        directory,
+        text_config,
     )
     _write_json(directory / "config.json", target_config_json(written, config_layout))
     if mtp_modules > 0:
@@ -580,6 +597,32 @@ M3_TEXT_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 TINY_GEOMETRY = "tiny"
+# MiniMax M3's attention and indexer head counts (64 query heads, 4 KV heads, 4 index-q heads,
+# all of dim 128, and the index geometry) in four narrow layers with M3's layer pattern (a
+# dense full-attention layer, then sparse-attention MoE layers) and 16 routed experts of
+# which each token takes M3's 4: small enough to draw random weights for (29M parameters),
+# served whole at TP 1 and split at TP 2, 4 and 8, where a rank gets what it gets from the
+# real model: 64 / N query heads, max(1, 4 / N) KV and index heads, the 16 experts divisible
+# by EP 2, 4 and 8. The vocab is the byte-level tokenizer's.
+M3_HEADS_GEOMETRY = "m3-heads"
+M3_HEADS_LAYERS = 4
+M3_HEADS_TEXT_CONFIG: dict[str, Any] = {
+    **{key: value for key, value in M3_TEXT_CONFIG.items() if key != "vocab_size"},
+    "hidden_size": 256,
+    "num_hidden_layers": M3_HEADS_LAYERS,
+    "layer_types": ["full_attention"] + ["minimax_m3_sparse"] * (M3_HEADS_LAYERS - 1),
+    "mlp_layer_types": ["dense"] + ["sparse"] * (M3_HEADS_LAYERS - 1),
+    "intermediate_size": 256,
+    "shared_intermediate_size": 256,
+    "dense_intermediate_size": 512,
+    "num_local_experts": 16,
+    "max_position_embeddings": 32768,
+}
+# --geometry NAME -> the text config of a geometry make-tiny-model draws random weights for.
+RANDOM_WEIGHT_GEOMETRIES: dict[str, dict[str, Any]] = {
+    TINY_GEOMETRY: TINY_TEXT_CONFIG,
+    M3_HEADS_GEOMETRY: M3_HEADS_TEXT_CONFIG,
+}
 # --geometry NAME -> the tensor-parallel size whose one rank it is.
 RANK_GEOMETRIES: dict[str, int] = {"m3-tp8-rank": 8, "m3-tp4-rank": 4, "m3-tp2-rank": 2}
 # --experts: how the rank holds the routed experts. ``tp``: all 128, each 3072 / N wide (vLLM
@@ -603,7 +646,15 @@ MXFP8_QUANTIZATION_CONFIG: dict[str, Any] = {
     "quant_method": "mxfp8",
     "ignored_layers": ["lm_head"],
 }
-GEOMETRIES = (TINY_GEOMETRY, *RANK_GEOMETRIES)
+# The whole of MiniMax M3, config and tokenizer only, in the published checkpoint's
+# ``minimax_m3_vl`` layout, for a multi-GPU `vllm serve` of the shipped configs with dummy
+# weights: that layout is the one vLLM 0.34.0 turns into an MTP draft when the speculative
+# config names no draft model.
+M3_GEOMETRY = "m3"
+# MTP modules the whole-model config declares: vLLM 0.34.0 runs every draft step on module 0,
+# so the dummy loader need draw no others.
+M3_MTP_MODULES = 1
+GEOMETRIES = (TINY_GEOMETRY, M3_HEADS_GEOMETRY, *RANK_GEOMETRIES, M3_GEOMETRY)
 # vLLM pads a vocab-parallel embedding to a multiple of this before sharding it
 # (DEFAULT_VOCAB_PADDING_SIZE in vllm/model_executor/layers/vocab_parallel_embedding.py).
 VLLM_VOCAB_PADDING = 64
@@ -773,6 +824,24 @@ def make_rank_model(
         "tensor_parallel_size": RANK_GEOMETRIES[geometry],
         "weights": weights,
         "experts": experts,
+        "parameters": sum(counts.values()),
+        "bytes": weight_bytes(counts),
+    }
+
+
+def make_m3_model(directory: Path) -> dict[str, Any]:
+    """Write the config and tokenizer of the whole of MiniMax M3 (no weights: serve it with
+    ``load_format: dummy``) in the published ``minimax_m3_vl`` layout, declaring
+    :data:`M3_MTP_MODULES` MTP modules; return a short summary."""
+    directory = Path(directory)
+    write_config_only_model(directory, dict(M3_TEXT_CONFIG))
+    flat = json.loads((directory / "config.json").read_text())
+    wrapper = target_config_json(flat, PUBLISHED_MODEL_TYPE_LAYOUT)
+    wrapper["text_config"]["num_mtp_modules"] = M3_MTP_MODULES
+    _write_json(directory / "config.json", wrapper)
+    counts = parameter_counts(M3_TEXT_CONFIG)
+    return {
+        "directory": directory,
         "parameters": sum(counts.values()),
         "bytes": weight_bytes(counts),
     }
