@@ -58,6 +58,13 @@ REQUIREMENTS: dict[Path, tuple[Callable[[], str | None], ...]] = {
 }
 
 
+# tests/gpu_e2e modules that only read saved GPU runs -> the variable naming their directory.
+SAVED_RUN_CHECKS = {
+    "test_sparse_attention_engine.py": "VLLM_MINIMAX_SA_RUNS",
+    "test_tp_engine.py": "VLLM_MINIMAX_TP_RUNS",
+}
+
+
 def saved_e2e_runs_only() -> str | None:
     """In saved-run mode (tests/gpu_e2e/conftest.py) only the live server test needs a GPU."""
     if os.environ.get("VLLM_MINIMAX_E2E_SAVED"):
@@ -76,9 +83,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             for item in items
             if (directory == item.path or directory in item.path.parents)
             and not (
-                # The sparse attend's engine checks read saved runs only.
-                os.environ.get("VLLM_MINIMAX_SA_RUNS")
-                and item.path.name == "test_sparse_attention_engine.py"
+                # These engine checks read saved runs only.
+                item.path.name in SAVED_RUN_CHECKS
+                and os.environ.get(SAVED_RUN_CHECKS[item.path.name])
             )
         ]
         if not selected:
