@@ -449,8 +449,8 @@ def run_make_rank_model(args: argparse.Namespace) -> int:
         print(
             f"wrote MiniMax M3 ({tiny_model.PUBLISHED_MODEL_TYPE} layout,"
             f" {tiny_model.M3_MTP_MODULES} MTP module declared, {made['parameters']:,}"
-            f" parameters without it: {size['bf16'] / 1e9:.0f} GB in bf16, {size['fp8'] / 1e9:.0f}"
-            f" GB with fp8 weights; config and tokenizer only, serve with load-format dummy) to"
+            f" parameters without it: {size['mxfp8'] / 1e9:.0f} GB as MXFP8; config and"
+            " tokenizer only, serve with load-format dummy) to"
             f" {args.directory}"
         )
         return 0

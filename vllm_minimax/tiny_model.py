@@ -831,13 +831,16 @@ def make_rank_model(
 
 def make_m3_model(directory: Path) -> dict[str, Any]:
     """Write the config and tokenizer of the whole of MiniMax M3 (no weights: serve it with
-    ``load_format: dummy``) in the published ``minimax_m3_vl`` layout, declaring
-    :data:`M3_MTP_MODULES` MTP modules; return a short summary."""
+    ``load_format: dummy``) in the published ``minimax_m3_vl`` layout of the MXFP8 checkpoint,
+    declaring :data:`M3_MTP_MODULES` MTP modules; return a short summary."""
     directory = Path(directory)
     write_config_only_model(directory, dict(M3_TEXT_CONFIG))
     flat = json.loads((directory / "config.json").read_text())
     wrapper = target_config_json(flat, PUBLISHED_MODEL_TYPE_LAYOUT)
     wrapper["text_config"]["num_mtp_modules"] = M3_MTP_MODULES
+    # The checkpoint the shipped SM90 configs name (MiniMaxAI/MiniMax-M3-MXFP8): vLLM reads
+    # its quantization from the wrapper, and the dummy loader draws weights in that layout.
+    wrapper["quantization_config"] = dict(MXFP8_QUANTIZATION_CONFIG)
     _write_json(directory / "config.json", wrapper)
     counts = parameter_counts(M3_TEXT_CONFIG)
     return {

@@ -13,6 +13,7 @@ from vllm_minimax.tiny_model import (
     M3_HEADS_TEXT_CONFIG,
     M3_MTP_MODULES,
     M3_TEXT_CONFIG,
+    MXFP8_QUANTIZATION_CONFIG,
     PUBLISHED_MODEL_TYPE,
     rank_text_config,
 )
@@ -48,6 +49,7 @@ def test_m3_config_is_the_published_layout_with_its_mtp_module(tmp_path):
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         assert text[key] == M3_TEXT_CONFIG[key]
     assert text["sparse_attention_config"]["sparse_num_index_heads"] == 4
+    assert config["quantization_config"] == MXFP8_QUANTIZATION_CONFIG
     assert not (target / "model.safetensors").exists()
 
 
