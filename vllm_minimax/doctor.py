@@ -58,23 +58,28 @@ class Captured:
 
 @contextlib.contextmanager
 def captured_output() -> Iterator[Captured]:
-    """Keep what imports and vLLM's selection print off the terminal; hand it back."""
+    """Keep what imports and vLLM's selection print off the terminal (file descriptors 1
+    and 2, and Python's sys.stdout and sys.stderr); hand it back."""
     captured = Captured()
     sys.stdout.flush()
     sys.stderr.flush()
     with tempfile.TemporaryFile(mode="w+b") as sink:
         saved = [os.dup(1), os.dup(2)]
+        stream = open(sink.fileno(), "w", closefd=False, encoding="utf-8", errors="replace")  # noqa: SIM115
         try:
             os.dup2(sink.fileno(), 1)
             os.dup2(sink.fileno(), 2)
-            yield captured
+            with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+                yield captured
         finally:
+            stream.flush()
             sys.stdout.flush()
             sys.stderr.flush()
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
             for descriptor in saved:
                 os.close(descriptor)
+            stream.close()
             sink.seek(0)
             captured.text = sink.read().decode("utf-8", "replace")
 
@@ -209,7 +214,7 @@ def report(
     logs.append(captured.text)
     width = max(len(row.component) for row in rows) + 1
     for row in rows:
-        print(f"  {row.component + ':':<{width}} {row.backend}: {row.reason}")
+        print(f"  {row.component + ':':<{width}} {row.backend}: {one_line(row.reason)}")
         if row.hint is not None:
             print(f"  {'':<{width}} change: {row.hint}")
     outcomes = {row.outcome for row in rows}
@@ -218,6 +223,12 @@ def report(
     if selection.Outcome.FALLBACK in outcomes:
         return result(EXIT_FALLBACK, "runs, with Triton where FlashInfer could be used")
     return result(EXIT_READY, "runs as configured")
+
+
+def one_line(text: str) -> str:
+    """A multi-line error (pydantic's) as one line, without its pointer to the web."""
+    lines = [line.strip() for line in text.splitlines()]
+    return "; ".join(line for line in lines if line and not line.startswith("For further"))
 
 
 def result(code: int, text: str) -> int:

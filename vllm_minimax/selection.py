@@ -89,20 +89,22 @@ def indexer_row(config: ServeConfig, capability: tuple[int, int] | None) -> Row:
 
 def indexer_hint(reason: str, forced: bool) -> str:
     """The key (or install step) that changes the indexer's outcome, from vLLM's reason."""
-    if "indexer_kv_dtype" in reason and ("fp8" in reason or "index cache" in reason):
+    if "flashinfer" in reason.lower() and any(
+        word in reason for word in ("import", "install", "older than", "has no", "does not take")
+    ):
+        return INSTALL_HINT
+    if "set indexer_kv_dtype" in reason or "index cache is" in reason:
         return (
             "set attention-config.indexer_kv_dtype: fp8 in the config (doctor: --indexer-kv-dtype)"
         )
     if "index heads per rank" in reason:
         return "tensor-parallel-size (index heads per rank: max(1, 4 // TP))"
-    if "flashinfer" in reason.lower() and ("import" in reason or "install" in reason):
-        return INSTALL_HINT
-    if "older than" in reason:
-        return INSTALL_HINT
     if "compute capability" in reason:
         return "none in the config: this GPU has no FlashInfer MSA indexer (9.0, 12.0, 12.1 have)"
+    if "Unexpected keyword argument" in reason or "validation error" in reason:
+        return "the attention-config key the error names (this series' vLLM does not take it)"
     if forced:
-        return "attention-config.minimax_m3_indexer_backend: auto (or the key the error names)"
+        return "attention-config.minimax_m3_indexer_backend: auto"
     return "attention-config.minimax_m3_indexer_backend"
 
 
@@ -144,7 +146,7 @@ def sparse_attention_rule(
 
 
 def sparse_attention_hint(reason: str) -> str:
-    if "kv-cache-dtype" in reason:
+    if "kv-cache-dtype" in reason or "KV cache is" in reason:
         return "kv-cache-dtype: fp8 in the config"
     if "query heads per KV head" in reason:
         return "tensor-parallel-size (query heads per KV head at a rank: 8 at TP 8, 16 at TP 1-4)"
