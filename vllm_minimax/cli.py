@@ -76,11 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
         "directory containing vllm/ (a vLLM source checkout root or a site-packages);"
         " default: the vLLM installed in this Python environment"
     )
-    apply_parser = commands.add_parser("apply", help="apply the patch series to vLLM")
+    apply_parser = commands.add_parser(
+        "apply",
+        help="apply the patch series to vLLM",
+        description="Apply the series for the target vLLM's version (patches/vllm-<version>/)"
+        " and record the files it touches, so that `revert` can restore them; `status` shows"
+        " each file's state afterwards.",
+    )
     apply_parser.add_argument("--target", type=Path, metavar="DIR", help=target_help)
     apply_parser.set_defaults(handler=run_apply)
 
-    revert_parser = commands.add_parser("revert", help="restore vLLM's original files")
+    revert_parser = commands.add_parser(
+        "revert",
+        help="restore vLLM's original files",
+        description="Restore the files the series touched to vLLM's originals, from what apply"
+        " recorded (it needs nothing from the package that applied it), and remove the files"
+        " the series created; it refuses when a file was edited since apply. Run it before"
+        " upgrading or reinstalling vLLM.",
+    )
     revert_parser.add_argument("--target", type=Path, metavar="DIR", help=target_help)
     revert_parser.set_defaults(handler=run_revert)
 

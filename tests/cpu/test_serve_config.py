@@ -4,6 +4,8 @@ read as `vllm serve --config` reads them; and the sparse-attention rule doctor r
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +181,45 @@ def test_the_sparse_attention_row(monkeypatch, key, answer, backend, outcome) ->
     assert (row.backend, row.outcome) == (backend, outcome)
     if outcome in (selection.Outcome.FALLBACK, selection.Outcome.FAILS):
         assert row.hint == "kv-cache-dtype: fp8 in the config"
+
+
+# The pages a user follows; every `--config` they give works from any directory.
+USER_DOCS = [
+    REPO_ROOT / "README.md",
+    REPO_ROOT / "docs" / "deploy.md",
+    REPO_ROOT / "docs" / "deploy-multinode.md",
+    REPO_ROOT / "docs" / "warm-start.md",
+    REPO_ROOT / "configs" / "serve" / "README.md",
+]
+
+
+def documented_configs(text: str) -> list[str]:
+    """The value after each `--config` in the page's console and code blocks."""
+    values = []
+    for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            try:
+                argv = shlex.split(line.split("#", 1)[0] if " #" in line else line)
+            except ValueError:
+                continue
+            values += [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--config"]
+    return values
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=lambda path: path.name)
+def test_every_documented_config_works_from_any_directory(doc: Path) -> None:
+    """A shipped name, the shipped file's path via `config path`, or the image's absolute
+    path: never a path relative to a checkout."""
+    values = documented_configs(doc.read_text())
+    names = serve_config.shipped_configs()
+    for value in values:
+        named = re.fullmatch(r"\$\(vllm-minimax config path ([\w.-]+)\)", value)
+        if named:
+            assert named.group(1) in names, value
+        elif value.startswith("/opt/vllm-minimax/configs/serve/"):
+            assert (
+                value.removeprefix("/opt/vllm-minimax/configs/serve/").removesuffix(".yaml")
+                in names
+            )
+        else:
+            assert value in names, f"{doc.name}: --config {value} works only from a checkout"
