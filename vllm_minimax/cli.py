@@ -30,7 +30,7 @@ from vllm_minimax.patchset import (
     series_state,
     supported_versions,
 )
-from vllm_minimax.serve_config import config_option
+from vllm_minimax.serve_config import config_name_option, config_option
 
 PROGRAM = "vllm-minimax"
 # The commands that work on the vLLM tree the series applies to (an OSError's advice is
@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     warmup_parser.add_argument(
         "--config",
-        type=config_option,
+        type=config_name_option,
         required=True,
         metavar="YAML_OR_NAME",
         help="a vllm serve config file, or a shipped config's name (e.g. h200-8x)",

@@ -212,3 +212,16 @@ def config_option(text: str) -> Path:
         return resolve_config(text)
     except ServeConfigError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def config_name_option(text: str) -> Path:
+    """An argparse type for a ``--config`` whose command checks the file itself: a path as
+    given, or a shipped config's name as its file."""
+    import argparse
+
+    if Path(text).suffix in CONFIG_SUFFIXES or os.sep in text or "/" in text:
+        return Path(text)
+    try:
+        return resolve_config(text)
+    except ServeConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

@@ -223,3 +223,18 @@ def test_every_documented_config_works_from_any_directory(doc: Path) -> None:
             )
         else:
             assert value in names, f"{doc.name}: --config {value} works only from a checkout"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["doctor", "--config", "h200-8x"],
+        ["warmup", "--config", "h200-8x"],
+        ["eval", "ab", "--config", "h200-8x", "--model", "m", "--out", "o"],
+    ],
+)
+def test_commands_take_a_shipped_configs_name(argv: list[str]) -> None:
+    from vllm_minimax import cli
+
+    args = cli.build_parser().parse_args(argv)
+    assert args.config == REPO_ROOT / "configs" / "serve" / "h200-8x.yaml"
