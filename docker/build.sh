@@ -6,10 +6,11 @@
 #
 # 1. Checks that the vLLM it patches has a series in patches/ (and, when
 #    EXPECTED_VLLM_VERSION is set, e.g. from the image tag, that it is that version).
-# 2. Installs flashinfer-python 0.7.4 over the image's pin (0.7.3 in v0.34.0, 0.7.2.post1
-#    in v0.33.0) (--no-deps), then only
-#    those of 0.7.4's requirements the environment does not already satisfy, with
-#    vLLM's own pins held (torch, apache-tvm-ffi, nvidia-cutlass-dsl, ...).
+# 2. Installs requirements/user-flashinfer.txt (--no-deps): flashinfer-python 0.7.4 over
+#    the image's pin (0.7.3 in v0.34.0, 0.7.2.post1 in v0.33.0) and the cuda-python /
+#    cuda-bindings pair its msa_ops imports with; then only those of 0.7.4's requirements
+#    the environment does not already satisfy, with vLLM's own pins held (torch,
+#    apache-tvm-ffi, nvidia-cutlass-dsl, ...).
 # 3. Installs this package (pip install --no-deps .).
 # 4. Runs `vllm-minimax apply`, then `vllm-minimax status`, and fails unless the
 #    status says the series is applied and every file is as applied.
@@ -17,14 +18,15 @@
 #
 # Environment: PYTHON (default python3), PIP (default "$PYTHON -m pip"),
 # TARGET (a directory holding vllm/; default: the vLLM installed for PYTHON),
-# EXPECTED_VLLM_VERSION (optional), FLASHINFER_VERSION (default 0.7.4).
+# EXPECTED_VLLM_VERSION (optional).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 PIP="${PIP:-$PYTHON -m pip}"
 TARGET="${TARGET:-}"
-FLASHINFER_VERSION="${FLASHINFER_VERSION:-0.7.4}"
+RECIPE="$REPO/requirements/user-flashinfer.txt"
+FLASHINFER_VERSION="$(sed -n 's/^flashinfer-python==//p' "$RECIPE")"
 EXPECTED_VLLM_VERSION="${EXPECTED_VLLM_VERSION:-}"
 SKIP_PIP=0
 
@@ -89,10 +91,10 @@ echo "build.sh: $version_check"
 
 # --- 2 and 3. FlashInfer 0.7.4 and this package -----------------------------------------
 if [ "$SKIP_PIP" -eq 0 ]; then
-    echo "build.sh: installing flashinfer-python==$FLASHINFER_VERSION (--no-deps)"
+    echo "build.sh: installing $RECIPE (--no-deps)"
     # vLLM 0.34.0 pins flashinfer-python==0.7.3 and 0.33.0 pins 0.7.2.post1 (no SM90
     # msa_ops); both series target 0.7.4's msa_ops.
-    $PIP install --no-cache-dir --no-deps "flashinfer-python==$FLASHINFER_VERSION"
+    $PIP install --no-cache-dir --no-deps -r "$RECIPE"
 
     # 0.7.4's requirements that are not met here, and pins that keep vLLM's stack as is.
     missing_and_constraints="$(

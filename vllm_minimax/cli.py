@@ -1,4 +1,4 @@
-"""Command line: ``vllm-minimax {apply,revert,status,doctor,dev,make-tiny-model,eval}``."""
+"""Command line: ``vllm-minimax {apply,revert,status,doctor,config,dev,make-tiny-model,eval}``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_minimax import __version__
+from vllm_minimax.doctor import EXIT_CODES as DOCTOR_EXIT_CODES
 from vllm_minimax.errors import Interrupted, UserError, describe_os_error
 from vllm_minimax.evals.cli import add_eval_parsers
 from vllm_minimax.evals.common import EvalError
@@ -29,6 +30,7 @@ from vllm_minimax.patchset import (
     series_state,
     supported_versions,
 )
+from vllm_minimax.serve_config import config_name_option, config_option
 from vllm_minimax.terminal import printable
 
 PROGRAM = "vllm-minimax"
@@ -107,9 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
     status_parser.set_defaults(handler=run_status)
 
     doctor_parser = commands.add_parser(
-        "doctor", help="check that this machine and vLLM can run the FlashInfer indexer"
+        "doctor",
+        help="check what `vllm serve --config FILE` would run on this machine or a given GPU",
+        description="Check the series, the GPU and FlashInfer, and report the MiniMax M3"
+        " kernels (indexer, sparse attention) that `vllm serve --config FILE` selects: on this"
+        " GPU, or with --capability on a simulated one. Without --config, the shipped configs'"
+        " settings (fp8 index cache, TP 8). The flags below override the config's values, as"
+        " flags after --config do for vllm serve.",
+        epilog=DOCTOR_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     doctor_parser.add_argument("--target", type=path_argument, metavar="DIR", help=target_help)
+    doctor_parser.add_argument(
+        "--config",
+        type=config_option,
+        metavar="YAML_OR_NAME",
+        help="the `vllm serve --config` file, or a shipped config's name (`vllm-minimax config"
+        " list`), e.g. h200-8x",
+    )
     doctor_parser.add_argument(
         "--capability",
         type=capability_option,
@@ -118,22 +135,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor_parser.add_argument(
         "--indexer-kv-dtype",
-        choices=["bf16", "fp8", "fp8_e4m3", "nvfp4"],
-        help="indexer KV cache dtype, as attention-config's indexer_kv_dtype spells it",
-    )
-    doctor_parser.add_argument(
-        "--topk-blocks",
-        type=bounded_int(1, 1 << 20),
-        metavar="N",
-        help="number of top-k blocks the indexer selects (default: 16, MiniMax M3's)",
+        choices=["auto", "bf16", "fp8", "fp8_e4m3", "nvfp4"],
+        help="attention-config's indexer_kv_dtype",
     )
     doctor_parser.add_argument(
         "--indexer-backend",
         choices=["auto", "flashinfer", "triton"],
-        default="auto",
-        help="indexer backend to check (default: auto)",
+        help="attention-config's minimax_m3_indexer_backend",
+    )
+    doctor_parser.add_argument(
+        "--kv-cache-dtype", metavar="DTYPE", help="kv-cache-dtype (auto: bf16 for MiniMax M3)"
+    )
+    doctor_parser.add_argument(
+        "--tensor-parallel-size",
+        type=bounded_int(1, 64),
+        metavar="N",
+        help="tensor-parallel-size (sets the heads each rank holds)",
+    )
+    doctor_parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print each touched file's state and what torch, FlashInfer and vLLM logged",
     )
     doctor_parser.set_defaults(handler=run_doctor)
+
+    config_parser = commands.add_parser(
+        "config",
+        help="list the shipped vllm serve configs, or print one's path",
+        description="The `vllm serve --config` files that ship with this package: the serving"
+        " configs (configs/serve/) and the eval suite's server configs (evals/). Use a path"
+        ' anywhere: vllm serve MODEL --config "$(vllm-minimax config path h200-8x)".',
+    )
+    config_commands = config_parser.add_subparsers(
+        dest="config_command", required=True, metavar="COMMAND"
+    )
+    config_commands.add_parser("list", help="each shipped config's name and file").set_defaults(
+        handler=run_config_list
+    )
+    config_path_parser = config_commands.add_parser("path", help="print a shipped config's file")
+    config_path_parser.add_argument("name", metavar="NAME", help="e.g. h200-8x")
+    config_path_parser.set_defaults(handler=run_config_path)
 
     dev_parser = commands.add_parser("dev", help="work on the series in a git checkout of vLLM")
     dev_commands = dev_parser.add_subparsers(dest="dev_command", required=True, metavar="COMMAND")
@@ -239,7 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="prebuild FlashInfer's JIT cache for a serving config (on the serving GPU)",
     )
     warmup_parser.add_argument(
-        "--config", type=path_argument, required=True, metavar="YAML", help="a vllm serve config"
+        "--config",
+        type=config_name_option,
+        required=True,
+        metavar="YAML_OR_NAME",
+        help="a vllm serve config file, or a shipped config's name (e.g. h200-8x)",
     )
     warmup_parser.add_argument(
         "--model",
@@ -386,6 +431,27 @@ def run_doctor(args: argparse.Namespace) -> int:
     from vllm_minimax import doctor
 
     return int(doctor.main(args))
+
+
+def run_config_list(args: argparse.Namespace) -> int:
+    from vllm_minimax.serve_config import shipped_configs
+
+    configs = shipped_configs()
+    width = max((len(name) for name in configs), default=0)
+    for name, path in configs.items():
+        print(f"{name:<{width}}  {path}")
+    return 0
+
+
+def run_config_path(args: argparse.Namespace) -> int:
+    from vllm_minimax.serve_config import ServeConfigError, resolve_config
+
+    try:
+        path = resolve_config(args.name)
+    except ServeConfigError as error:
+        raise PatchError(str(error)) from None
+    print(path.resolve())
+    return 0
 
 
 def run_dev_checkout(args: argparse.Namespace) -> int:

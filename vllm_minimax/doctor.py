@@ -1,20 +1,87 @@
-"""`vllm-minimax doctor`: what this machine (or a given GPU) would run.
+"""`vllm-minimax doctor`: what `vllm serve --config FILE` would run on this machine (or on a
+GPU of a given compute capability).
 
-It reports the series state, the GPU, the FlashInfer build, and the MiniMax M3
-indexer the patched vLLM selects, by calling vLLM's own selection code through
-`vllm_minimax.probe` (with `--capability`, on a simulated GPU of that kind).
+It reports the series state, the GPU, the FlashInfer build, and, for the serve config (the
+shipped configs' settings when none is given), the MiniMax M3 kernels the patched vLLM
+selects (`vllm_minimax.selection`), and exits with a status that says whether the engine
+runs as configured (`EXIT_CODES`). torch's, FlashInfer's and vLLM's own warnings and log
+lines are kept back unless `--verbose`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib.metadata
 import importlib.util
+import os
 import sys
+import tempfile
+from collections.abc import Iterator
 
-from vllm_minimax import patchset, probe
+from vllm_minimax import patchset
+from vllm_minimax.serve_config import (
+    ServeConfig,
+    ServeConfigError,
+    default_serve_config,
+    read_serve_config,
+)
 
 MSA_FUNCTIONS = ("msa_proxy_score", "msa_topk_select")
+
+EXIT_READY = 0
+EXIT_NOT_APPLIED = 1
+EXIT_USAGE = 2
+EXIT_FALLBACK = 3
+EXIT_CANNOT_CHECK = 4
+EXIT_FAILS = 5
+
+EXIT_CODES = f"""exit status:
+  {EXIT_READY}  ready: the series is applied and the GPU (or --capability) runs the config as
+     written, FlashInfer wherever a backend is auto and FlashInfer can run
+  {EXIT_NOT_APPLIED}  not applied: the series is not cleanly applied to this vLLM (status says why)
+  {EXIT_USAGE}  bad usage: an unknown option, or a config that cannot be found or read
+  {EXIT_FALLBACK}  will fall back to Triton: a backend left at auto gets Triton (the line says
+     why and which key or flag changes it)
+  {EXIT_CANNOT_CHECK}  cannot check here: no GPU and no --capability (pass --capability 9.0, say)
+  {EXIT_FAILS}  will not start as configured: vLLM refuses the config or a forced backend, or
+     the vLLM tree fails to import"""
+
+
+class Captured:
+    """Text written to file descriptors 1 and 2 (by Python, torch's C++ or a library's
+    logger) inside `captured_output`."""
+
+    text = ""
+
+
+@contextlib.contextmanager
+def captured_output() -> Iterator[Captured]:
+    """Keep what imports and vLLM's selection print off the terminal (file descriptors 1
+    and 2, and Python's sys.stdout and sys.stderr); hand it back."""
+    captured = Captured()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        saved = [os.dup(1), os.dup(2)]
+        stream = open(sink.fileno(), "w", closefd=False, encoding="utf-8", errors="replace")  # noqa: SIM115
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+                yield captured
+        finally:
+            stream.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for descriptor in saved:
+                os.close(descriptor)
+            stream.close()
+            sink.seek(0)
+            captured.text = sink.read().decode("utf-8", "replace")
 
 
 def gpu_line() -> tuple[str, tuple[int, int] | None]:
@@ -45,45 +112,125 @@ def flashinfer_line() -> str:
     return f"{version}; flashinfer.msa_ops has {' and '.join(present)}"
 
 
+def serve_config_from(args: argparse.Namespace) -> ServeConfig:
+    """The config file (or the shipped configs' defaults) with doctor's overriding flags on
+    top, as flags after `--config` override the file for `vllm serve`."""
+    config = default_serve_config() if args.config is None else read_serve_config(args.config)
+    attention = dict(config.attention_config)
+    if args.indexer_kv_dtype is not None:
+        attention["indexer_kv_dtype"] = args.indexer_kv_dtype
+    if args.indexer_backend is not None:
+        attention["minimax_m3_indexer_backend"] = args.indexer_backend
+    changes: dict[str, object] = {"attention_config": attention}
+    if args.kv_cache_dtype is not None:
+        changes["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.tensor_parallel_size is not None:
+        changes["tensor_parallel_size"] = args.tensor_parallel_size
+    return dataclasses.replace(config, **changes)  # type: ignore[arg-type]
+
+
+def describe_config(config: ServeConfig) -> list[str]:
+    attention = ", ".join(f"{key}={value}" for key, value in config.attention_config.items())
+    return [
+        f"config:       {config.source}",
+        f"  tensor-parallel-size {config.tensor_parallel_size} (a rank: "
+        f"{config.query_heads_per_rank} query heads, {config.kv_heads_per_rank} KV head(s),"
+        f" {config.index_heads_per_rank} index head(s)); kv-cache-dtype {config.kv_cache_dtype};"
+        f" block-size {config.block_size or 'unset (128)'}",
+        f"  attention-config: {attention or 'unset'}",
+    ]
+
+
+def status_lines(state: patchset.SeriesState, verbose: bool) -> list[str]:
+    """The series state; the per-file lines only when something is off (or `--verbose`)."""
+    lines = patchset.format_status(state).splitlines()
+    if state.clean and not verbose:
+        lines = [line for line in lines if not line.startswith("  ")]
+    return lines
+
+
 def main(args: argparse.Namespace) -> int:
+    try:
+        config = serve_config_from(args)
+    except ServeConfigError as error:
+        print(f"vllm-minimax: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
     state = patchset.series_state(args.target)
-    print(patchset.format_status(state))
-    gpu, real_capability = gpu_line()
+    print("\n".join(status_lines(state, args.verbose)))
+    logs: list[str] = []
+    try:
+        return report(args, config, state, logs)
+    finally:
+        if args.verbose and any(logs):
+            print("--- what torch, FlashInfer and vLLM printed ---", file=sys.stderr)
+            print("".join(logs), file=sys.stderr, end="")
+
+
+def report(
+    args: argparse.Namespace, config: ServeConfig, state: patchset.SeriesState, logs: list[str]
+) -> int:
+    with captured_output() as captured:
+        gpu, real_capability = gpu_line()
+        flashinfer = flashinfer_line()
+    logs.append(captured.text)
     print(f"GPU:          {gpu}")
-    print(f"FlashInfer:   {flashinfer_line()}")
+    print(f"FlashInfer:   {flashinfer}")
+    print("\n".join(describe_config(config)))
 
     if not state.clean:
-        print("indexer:      not checked: the series is not cleanly applied to this vLLM")
-        return 1
+        print("selection:    not checked: the series is not cleanly applied to this vLLM")
+        return result(EXIT_NOT_APPLIED, "run `vllm-minimax apply` (status shows each file)")
     # Validated by the CLI: a (major, minor) of a known GPU, or None for this machine.
     capability: tuple[int, int] | None = args.capability
+    if capability is None and real_capability is None:
+        print("selection:    not checked: no GPU here")
+        return result(
+            EXIT_CANNOT_CHECK,
+            "pass --capability X.Y for the serving GPU (9.0: H100, H200, H20; 12.0: RTX PRO 6000)",
+        )
+    simulated = capability is not None
+    checked = capability if capability is not None else real_capability
+    assert checked is not None
+    where = f"simulated compute capability {checked[0]}.{checked[1]}" if simulated else "this GPU"
+    print(f"selection:    on {where}")
     if args.target is not None:
         # Select with the vLLM tree that was checked above, not another one.
         sys.path.insert(0, str(state.target))
-    dtype = args.indexer_kv_dtype or "bf16"
-    topk_blocks = 16 if args.topk_blocks is None else args.topk_blocks
-    try:
-        selection = probe.select_indexer(
-            indexer_kv_dtype=dtype,
-            topk_blocks=topk_blocks,
-            indexer_backend=args.indexer_backend,
-            capability=capability,
-        )
-    except Exception as exc:  # a vLLM that does not import is a finding, like a broken FlashInfer
-        print(
-            f"indexer:      not checked: vLLM at {state.target} failed to import or to run its"
-            f" selection ({type(exc).__name__}: {exc})"
-        )
-        return 1
-    if capability is not None:
-        where = f"simulated compute capability {capability[0]}.{capability[1]}"
-    elif real_capability is not None:
-        where = "this GPU"
-    else:
-        where = "this machine (no GPU; pass --capability X.Y to ask for one)"
-    print(
-        f"indexer:      on {where}, indexer_kv_dtype={dtype}, topk_blocks={topk_blocks}, "
-        f"minimax_m3_indexer_backend={args.indexer_backend}"
-    )
-    print(f"  -> {selection.describe()}")
-    return 0 if selection.error is None else 1
+    from vllm_minimax import selection
+
+    with captured_output() as captured:
+        try:
+            rows = selection.select_rows(config, checked, simulated=simulated)
+        except Exception as exc:  # a vLLM that does not import is a finding, as in status
+            rows = [
+                selection.Row(
+                    "vLLM",
+                    "-",
+                    f"vLLM at {state.target} failed to import or to run its selection"
+                    f" ({type(exc).__name__}: {exc})",
+                    selection.Outcome.FAILS,
+                )
+            ]
+    logs.append(captured.text)
+    width = max(len(row.component) for row in rows) + 1
+    for row in rows:
+        print(f"  {row.component + ':':<{width}} {row.backend}: {one_line(row.reason)}")
+        if row.hint is not None:
+            print(f"  {'':<{width}} change: {row.hint}")
+    outcomes = {row.outcome for row in rows}
+    if selection.Outcome.FAILS in outcomes:
+        return result(EXIT_FAILS, "vllm serve with this config stops at start-up (see above)")
+    if selection.Outcome.FALLBACK in outcomes:
+        return result(EXIT_FALLBACK, "runs, with Triton where FlashInfer could be used")
+    return result(EXIT_READY, "runs as configured")
+
+
+def one_line(text: str) -> str:
+    """A multi-line error (pydantic's) as one line, without its pointer to the web."""
+    lines = [line.strip() for line in text.splitlines()]
+    return "; ".join(line for line in lines if line and not line.startswith("For further"))
+
+
+def result(code: int, text: str) -> int:
+    print(f"result:       {text} (exit {code})")
+    return code

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,14 @@ _PLATFORM_USERS = (
     "vllm.utils.flashinfer",
 )
 _SELECTION_MODULE = "vllm.models.minimax_m3.common.indexer"
+# Where a series that selects MiniMax M3's sparse attention backend exposes its gate: a
+# function of the keyword arguments `sparse_attention_gate` passes that returns
+# (FlashInfer can run, the reason it cannot). None of the current series has one.
+SPARSE_ATTENTION_GATE = (
+    "vllm.models.minimax_m3.nvidia.sparse_attention_flashinfer",
+    "flashinfer_sparse_attention_blocker",
+)
+SPARSE_ATTENTION_KEY = "minimax_m3_sparse_attention_backend"
 
 
 @dataclass(frozen=True)
@@ -90,16 +98,20 @@ def parse_capability(text: str) -> tuple[int, int]:
 
 def select_indexer(
     *,
-    indexer_kv_dtype: str = "bf16",
+    indexer_kv_dtype: str | None = "bf16",
     topk_blocks: int = 16,
     num_index_heads: int = 1,
     indexer_backend: str = "auto",
     capability: tuple[int, int] | None = None,
+    attention_options: Mapping[str, object] | None = None,
 ) -> Selection:
     """Run vLLM's `select_indexer_impl_cls` once and report what it chose.
 
-    With `capability`, the selection runs on a simulated CUDA GPU of that
-    capability; without it, on this machine's real platform.
+    `attention_options` are the rest of a serve config's attention-config, which vLLM's
+    `AttentionConfig` validates as `vllm serve` does (an unknown key is an error); with
+    `indexer_kv_dtype=None` the dtype is the one vLLM's model resolves from them. With
+    `capability`, the selection runs on a simulated CUDA GPU of that capability; without
+    it, on this machine's real platform.
     """
     from vllm.config import AttentionConfig, DeviceConfig, VllmConfig, set_current_vllm_config
 
@@ -109,10 +121,13 @@ def select_indexer(
     def record(message: str, *args: object, **_: object) -> None:
         logged.append(message % args if args else message)
 
+    options = {**(attention_options or {}), "minimax_m3_indexer_backend": indexer_backend}
     try:
-        attention_config = AttentionConfig(minimax_m3_indexer_backend=indexer_backend)
+        attention_config = AttentionConfig(**options)
     except Exception as exc:  # pydantic names the field and the allowed values
         return Selection(impl=None, log=None, error=f"{type(exc).__name__}: {exc}")
+    if indexer_kv_dtype is None:
+        indexer_kv_dtype = str(attention_config.resolve_indexer_kv_dtype("bf16"))
     vllm_config = VllmConfig(
         device_config=DeviceConfig(device="cpu"), attention_config=attention_config
     )
@@ -200,3 +215,55 @@ def select_sparse_attention(
         except (ValueError, NotImplementedError, ImportError) as exc:
             return Selection(impl=None, log=None, error=f"{type(exc).__name__}: {exc}")
     return Selection(impl=impl_cls.__name__, log=logged[-1] if logged else None, error=None)
+
+
+@dataclass(frozen=True)
+class GateAnswer:
+    """What a series' sparse-attention gate said, or that the series has none."""
+
+    present: bool
+    usable: bool = False
+    reason: str | None = None
+
+
+def sparse_attention_gate(
+    *,
+    kv_cache_dtype: str,
+    head_dim: int,
+    block_size: int,
+    topk_blocks: int,
+    num_queries_per_kv: int,
+    capability: tuple[int, int] | None = None,
+) -> GateAnswer:
+    """Ask the applied series whether FlashInfer can run MiniMax M3's sparse attention.
+
+    A series without the selection (no `SPARSE_ATTENTION_KEY` in vLLM's `AttentionConfig`,
+    or no `SPARSE_ATTENTION_GATE` function) answers `present=False`.
+    """
+    from vllm.config import AttentionConfig
+
+    module_name, function_name = SPARSE_ATTENTION_GATE
+    if SPARSE_ATTENTION_KEY not in getattr(AttentionConfig, "__dataclass_fields__", {}):
+        return GateAnswer(present=False)
+    if importlib.util.find_spec(module_name) is None:
+        return GateAnswer(present=False)
+    gate = getattr(importlib.import_module(module_name), function_name, None)
+    if not callable(gate):
+        return GateAnswer(present=False)
+    import torch
+
+    if capability is None:
+        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    # The gate takes the rank's head counts; their ratio is what it checks.
+    reason = gate(
+        capability=None if capability is None else capability[0] * 10 + capability[1],
+        kv_cache_dtype=kv_cache_dtype,
+        model_dtype=torch.bfloat16,
+        head_size=head_dim,
+        sparse_block_size=block_size,
+        topk_blocks=topk_blocks,
+        num_heads=num_queries_per_kv,
+        num_kv_heads=1,
+    )
+    usable = reason is None
+    return GateAnswer(present=True, usable=bool(usable), reason=reason)

@@ -24,7 +24,7 @@ def test_module_entry_point_prints_help() -> None:
         cwd=REPO_ROOT,
     )
     assert completed.returncode == 0
-    for command in ("apply", "revert", "status", "doctor", "dev"):
+    for command in ("apply", "revert", "status", "doctor", "config", "dev"):
         assert command in completed.stdout
 
 
@@ -83,7 +83,11 @@ def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
         ["dev", "checkout", "0.34.0"],
         ["doctor", "--indexer-kv-dtype", "fp16"],
         ["doctor", "--indexer-backend", "cuda"],
-        ["doctor", "--topk-blocks", "many"],
+        ["doctor", "--config", "h300-8x"],
+        ["doctor", "--config", "missing/h200-8x.yaml"],
+        ["doctor", "--tensor-parallel-size", "0"],
+        ["config"],
+        ["config", "path"],
     ],
 )
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -316,14 +320,6 @@ def test_doctor_accepts_known_capabilities(value: str) -> None:
     assert args.capability == (int(major), int(minor))
 
 
-@pytest.mark.parametrize("value", ["0", "-16", "1.5"])
-def test_doctor_refuses_a_non_positive_topk(value: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["doctor", f"--topk-blocks={value}"])
-    assert exit_info.value.code == 2
-    assert "--topk-blocks" in capsys.readouterr().err
-
-
 def test_doctor_is_imported_lazily_and_gets_parsed_arguments(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -347,18 +343,24 @@ def test_doctor_is_imported_lazily_and_gets_parsed_arguments(
         "12.1",
         "--indexer-kv-dtype",
         "nvfp4",
-        "--topk-blocks",
-        "64",
         "--indexer-backend",
         "flashinfer",
+        "--config",
+        "h200-8x",
+        "--tensor-parallel-size",
+        "4",
+        "--kv-cache-dtype",
+        "fp8",
     ]
     assert main(argv) == 3
     (args,) = received
     assert args.target == tmp_path
     assert args.capability == (12, 1)
     assert args.indexer_kv_dtype == "nvfp4"
-    assert args.topk_blocks == 64
     assert args.indexer_backend == "flashinfer"
+    assert args.config == REPO_ROOT / "configs" / "serve" / "h200-8x.yaml"
+    assert args.tensor_parallel_size == 4
+    assert args.kv_cache_dtype == "fp8"
 
 
 def test_doctor_defaults() -> None:
@@ -366,9 +368,10 @@ def test_doctor_defaults() -> None:
     args = parser.parse_args(["doctor"])
     assert args.target is None
     assert args.capability is None
+    assert args.config is None
     assert args.indexer_kv_dtype is None
-    assert args.topk_blocks is None
-    assert args.indexer_backend == "auto"
+    assert args.indexer_backend is None
+    assert args.verbose is False
 
 
 def test_cli_does_not_import_vllm_or_torch() -> None:
@@ -416,8 +419,8 @@ def test_status_help_documents_the_exit_codes(capsys: pytest.CaptureFixture[str]
 
 
 def test_doctor_on_a_vllm_that_does_not_import_is_one_finding(small_target: Path) -> None:
-    """A tree whose vLLM fails to import gets doctor's one line and exit 1, in a fresh
-    interpreter so that the installed vLLM is not already imported."""
+    """A tree whose vLLM fails to import gets doctor's one line and exit 5 (will not start),
+    in a fresh interpreter so that the installed vLLM is not already imported."""
     assert main(["apply", "--target", str(small_target)]) == 0
     package = small_target / "vllm" / "__init__.py"
     package.write_text('raise RuntimeError("a broken install")\n' + package.read_text())
@@ -429,10 +432,10 @@ def test_doctor_on_a_vllm_that_does_not_import_is_one_finding(small_target: Path
         timeout=300,
         cwd=REPO_ROOT,
     )
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 5, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == (
-        f"indexer:      not checked: vLLM at {small_target.resolve()} failed to import or to run"
+    assert result.stdout.strip().splitlines()[-2] == (
+        f"  vLLM: -: vLLM at {small_target.resolve()} failed to import or to run"
         " its selection (RuntimeError: a broken install)"
     )
 

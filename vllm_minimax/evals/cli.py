@@ -28,6 +28,7 @@ from vllm_minimax.evals.throughput import (
     RequestTimeouts,
 )
 from vllm_minimax.options import path_argument
+from vllm_minimax.serve_config import config_option
 
 AB_DEFAULT_ACCURACY = ["gsm8k", "ruler-32k"]
 AB_DEFAULT_THROUGHPUT = "indexer"
@@ -168,9 +169,10 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     ab_parser.add_argument("--model", required=True, help="model to serve (name or directory)")
     ab_parser.add_argument(
         "--config",
-        type=path_argument,
-        metavar="YAML",
-        help="`vllm serve --config` file, e.g. from configs/serve/",
+        type=config_option,
+        metavar="YAML_OR_NAME",
+        help="`vllm serve --config` file, or a shipped config's name (`vllm-minimax config"
+        " list`), e.g. h200-8x",
     )
     ab_parser.add_argument(
         "--arm",

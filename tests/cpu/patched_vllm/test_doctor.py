@@ -1,11 +1,33 @@
-"""`vllm-minimax doctor` reports what the patched vLLM's own selection does."""
+"""`vllm-minimax doctor` reports what the patched vLLM's own selection does for a serve
+config, with an exit status per outcome."""
 
 from __future__ import annotations
 
+import functools
+import os
+from pathlib import Path
+
 import pytest
 import vllm.utils.flashinfer as fi_utils
+from test_serve_configs import minimax_m3_text_config, parse_serve_args
+from vllm.engine.arg_utils import EngineArgs
 
-from vllm_minimax import cli, probe
+from vllm_minimax import cli, doctor, probe, selection, serve_config
+
+REPO = Path(__file__).resolve().parents[3]
+SERVE_CONFIGS = sorted((REPO / "configs" / "serve").glob("*.yaml"))
+# The GPU each shipped config is written for.
+CONFIG_CAPABILITY = {
+    "h200-8x": "9.0",
+    "h100-8x": "9.0",
+    "h100-16x-2node": "9.0",
+    "rtx-pro-6000-4x": "12.0",
+    "rtx-pro-6000-8x": "12.0",
+}
+BROKEN_MSA_OPS = (
+    "flashinfer.msa_ops does not import (AttributeError: module 'cuda.bindings.runtime'"
+    " has no attribute 'cudaLibrary_t')"
+)
 
 
 @pytest.fixture
@@ -19,51 +41,157 @@ def flashinfer_can_jit(monkeypatch):
 
 
 @pytest.fixture
-def doctor(capsys, patched_vllm_root):
+def doctor_run(capsys, patched_vllm_root):
     def run(*args: str) -> tuple[int, str]:
         code = cli.main(["doctor", "--target", str(patched_vllm_root), *args])
-        return code, capsys.readouterr().out
+        captured = capsys.readouterr()
+        return code, captured.out + captured.err
 
     return run
 
 
+def rows(out: str) -> dict[str, str]:
+    """The selection's rows: component -> `backend: reason` (and its `change:` hint)."""
+    found: dict[str, str] = {}
+    last = None
+    for line in out.splitlines():
+        stripped = line.strip()
+        if line.startswith("  ") and stripped.startswith("change: ") and last:
+            found[last] += " | " + stripped
+        elif line.startswith("  ") and stripped.split(":")[0] in ("indexer", "sparse attention"):
+            last, _, rest = stripped.partition(": ")
+            found[last] = rest.strip()
+    return found
+
+
 @pytest.mark.usefixtures("flashinfer_can_jit")
-@pytest.mark.parametrize(
-    ("capability", "dtype", "impl", "fragment"),
-    [
-        ("9.0", "fp8", "MiniMaxM3IndexerFlashInferImpl", "selected FlashInfer"),
-        ("9.0", "fp8_e4m3", "MiniMaxM3IndexerFlashInferImpl", "selected FlashInfer"),
-        ("9.0", "bf16", "MiniMaxM3IndexerTritonImpl", "SM90 FlashInfer prefill needs fp8"),
-        ("12.0", "bf16", "MiniMaxM3IndexerFlashInferImpl", "selected FlashInfer"),
-        ("10.0", "fp8", "MiniMaxM3IndexerMSAImpl", "selected MSA"),
-    ],
-)
-def test_doctor_reports_the_selection(doctor, capability, dtype, impl, fragment):
-    code, out = doctor("--capability", capability, "--indexer-kv-dtype", dtype)
-    assert code == 0, out
-    assert "state:        applied" in out
-    assert f"simulated compute capability {capability}" in out
-    (result,) = [line for line in out.splitlines() if line.startswith("  -> ")]
-    assert result.startswith(f"  -> {impl}: ") and fragment in result
-    # The same answer as asking vLLM's selection directly.
-    direct = probe.select_indexer(
-        indexer_kv_dtype=dtype, capability=probe.parse_capability(capability)
+def test_the_shipped_h200_config_runs_flashinfer_on_sm90(doctor_run):
+    code, out = doctor_run("--config", "h200-8x", "--capability", "9.0")
+    assert code == doctor.EXIT_READY, out
+    found = rows(out)
+    assert found["indexer"].startswith("FlashInfer: MiniMax M3 indexer: selected FlashInfer")
+    direct = probe.select_indexer(indexer_kv_dtype="fp8", capability=(9, 0))
+    assert found["indexer"] == f"FlashInfer: {direct.log}"
+    assert found["sparse attention"].startswith("not in this series: ")
+    assert "result:       runs as configured (exit 0)" in out
+
+
+@pytest.mark.usefixtures("flashinfer_can_jit")
+def test_without_a_config_doctor_checks_the_shipped_settings(doctor_run):
+    """The bug of issue 43: doctor's defaults were a bf16 index cache, which on SM90 says
+    Triton for a machine whose every shipped config runs FlashInfer."""
+    code, out = doctor_run("--capability", "9.0")
+    assert code == doctor.EXIT_READY, out
+    assert rows(out)["indexer"].startswith("FlashInfer: ")
+
+
+@pytest.mark.usefixtures("flashinfer_can_jit")
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda path: path.stem)
+def test_every_shipped_config_is_ready_on_its_gpu(doctor_run, path):
+    code, out = doctor_run("--config", str(path), "--capability", CONFIG_CAPABILITY[path.stem])
+    assert code == doctor.EXIT_READY, out
+    assert rows(out)["indexer"].startswith("FlashInfer: "), out
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda path: path.stem)
+def test_doctor_reads_a_config_as_vllm_serve_does(path, monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "device_type", "cpu")
+    engine = EngineArgs.from_cli_args(parse_serve_args(path))
+    ours = serve_config.read_serve_config(path)
+    assert ours.tensor_parallel_size == engine.tensor_parallel_size
+    assert ours.kv_cache_dtype == engine.kv_cache_dtype
+    assert ours.block_size == engine.block_size
+    attention = engine.attention_config
+    for key, value in ours.attention_config.items():
+        assert getattr(attention, key) == value, key
+    assert ours.indexer_kv_dtype == attention.resolve_indexer_kv_dtype("bf16")
+
+
+def test_the_geometry_is_minimax_m3s():
+    config = minimax_m3_text_config()
+    assert config.num_attention_heads == serve_config.M3_ATTENTION_HEADS
+    assert config.num_key_value_heads == serve_config.M3_KV_HEADS
+    assert config.index_n_heads == serve_config.M3_INDEX_HEADS
+    assert config.head_dim == serve_config.M3_HEAD_DIM
+    assert config.index_head_dim == serve_config.M3_INDEX_HEAD_DIM
+    assert config.index_block_size == serve_config.M3_SPARSE_BLOCK
+    assert config.index_topk_blocks == serve_config.M3_TOPK_BLOCKS
+
+
+@pytest.mark.usefixtures("flashinfer_can_jit")
+def test_a_bf16_index_cache_falls_back_and_names_the_key(doctor_run):
+    code, out = doctor_run(
+        "--config", "h200-8x", "--capability", "9.0", "--indexer-kv-dtype", "bf16"
     )
-    assert result == f"  -> {direct.describe()}"
+    assert code == doctor.EXIT_FALLBACK, out
+    indexer = rows(out)["indexer"]
+    assert indexer.startswith("Triton: ") and "SM90 FlashInfer prefill needs fp8" in indexer
+    assert "change: set attention-config.indexer_kv_dtype: fp8" in indexer
 
 
 @pytest.mark.usefixtures("flashinfer_can_jit")
-def test_doctor_fails_a_forced_backend_that_cannot_run(doctor):
-    code, out = doctor(
-        "--capability", "9.0", "--indexer-kv-dtype", "bf16", "--indexer-backend",
-        "flashinfer",
-    )  # fmt: skip
-    assert code == 1
-    assert "error: ValueError: minimax_m3_indexer_backend='flashinfer' cannot run here" in out
+def test_msa_ops_that_do_not_import_fall_back_with_the_install_hint(doctor_run, monkeypatch):
+    """Issue 43's second bug: with a FlashInfer whose msa_ops does not import, doctor said 0."""
+    broken = functools.cache(lambda: BROKEN_MSA_OPS)
+    monkeypatch.setattr(fi_utils, "flashinfer_msa_indexer_unavailable", broken)
+    code, out = doctor_run("--config", "h200-8x", "--capability", "9.0")
+    assert code == doctor.EXIT_FALLBACK, out
+    indexer = rows(out)["indexer"]
+    assert "cudaLibrary_t" in indexer
+    assert indexer.endswith(f"change: {selection.INSTALL_HINT}")
 
 
-def test_doctor_reports_flashinfer(doctor):
-    code, out = doctor("--capability", "12.1")
-    assert code == 0
-    assert "FlashInfer:   0.7.4; flashinfer.msa_ops has msa_proxy_score and msa_topk_select" in out
-    assert "GPU:          none" in out
+@pytest.mark.usefixtures("flashinfer_can_jit")
+def test_a_forced_backend_that_cannot_run_will_not_start(doctor_run):
+    code, out = doctor_run(
+        "--capability", "9.0", "--indexer-kv-dtype", "bf16", "--indexer-backend", "flashinfer"
+    )
+    assert code == doctor.EXIT_FAILS, out
+    assert "minimax_m3_indexer_backend='flashinfer' cannot run here" in rows(out)["indexer"]
+
+
+@pytest.mark.usefixtures("flashinfer_can_jit")
+def test_a_forced_triton_is_as_configured(doctor_run):
+    code, out = doctor_run("--capability", "9.0", "--indexer-backend", "triton")
+    assert code == doctor.EXIT_READY, out
+    assert rows(out)["indexer"].startswith("Triton: ")
+
+
+def test_an_attention_key_this_series_lacks_will_not_start(doctor_run, tmp_path):
+    config = tmp_path / "sparse.yaml"
+    config.write_text(
+        "tensor-parallel-size: 8\nattention-config:\n  indexer_kv_dtype: fp8\n"
+        f"  {probe.SPARSE_ATTENTION_KEY}: auto\n"
+    )
+    code, out = doctor_run("--config", str(config), "--capability", "9.0")
+    assert code == doctor.EXIT_FAILS, out
+    assert probe.SPARSE_ATTENTION_KEY in rows(out)["indexer"]
+
+
+def test_an_sm100_gpu_gets_vllms_own_msa_indexer(doctor_run):
+    code, out = doctor_run("--capability", "10.0")
+    assert code == doctor.EXIT_READY, out
+    assert rows(out)["indexer"].startswith("MSA: ")
+
+
+def test_what_torch_and_vllm_print_stays_off_the_terminal(patched_vllm_root, capfd, monkeypatch):
+    """A library that writes to the terminal while selecting (torch's C++ warnings on file
+    descriptor 2, vLLM's logger on sys.stdout) is kept back; --verbose shows it."""
+    real = probe.select_indexer
+
+    def noisy(**kwargs):
+        os.write(2, b"W1205 torch noise on fd 2\n")
+        print("vLLM log line on sys.stdout")
+        return real(**kwargs)
+
+    monkeypatch.setattr(probe, "select_indexer", noisy)
+    doctor_args = ["doctor", "--target", str(patched_vllm_root), "--capability", "10.0"]
+    assert cli.main(doctor_args) == doctor.EXIT_READY
+    quiet = capfd.readouterr()
+    assert "noise" not in quiet.out + quiet.err and "log line" not in quiet.out + quiet.err
+    assert "indexer:" in quiet.out
+    assert cli.main([*doctor_args, "--verbose"]) == doctor.EXIT_READY
+    verbose = capfd.readouterr().err
+    assert "W1205 torch noise on fd 2" in verbose and "vLLM log line on sys.stdout" in verbose

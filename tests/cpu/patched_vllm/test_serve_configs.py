@@ -230,15 +230,18 @@ def test_multi_node_config_parses_on_each_node(name):
 
 
 def documented_serve_arguments(text: str, config_name: str) -> list[list[str]]:
-    """The arguments after `--config .../CONFIG_NAME` of each `vllm serve` command in
-    `text` that serves that file, in order (shell line continuations joined)."""
+    """The arguments after `--config .../CONFIG_NAME` (or the shipped config's path,
+    `"$(vllm-minimax config path NAME)"`) of each `vllm serve` command in `text` that serves
+    that file, in order (shell line continuations joined)."""
     commands = []
     for line in re.sub(r"\\\n\s*", " ", text).splitlines():
-        if "vllm serve " not in line or config_name not in line:
+        stem = config_name.removesuffix(".yaml")
+        if "vllm serve " not in line or stem not in line:
             continue
         argv = shlex.split(line[line.index("vllm serve ") :])
         config_at = argv.index("--config")
-        assert argv[config_at + 1].endswith(config_name), line
+        given = argv[config_at + 1]
+        assert given.endswith(config_name) or given == f"$(vllm-minimax config path {stem})", line
         commands.append(argv[config_at + 2 :])
     return commands
 

@@ -1,0 +1,204 @@
+"""What a `vllm serve` configuration selects for MiniMax M3, one row per component.
+
+`select_rows` takes a parsed serve config and a GPU capability and returns the rows doctor
+prints: the indexer (vLLM's own `select_indexer_impl_cls`, through `vllm_minimax.probe`)
+and the sparse attention. Each row says the backend, why, whether the engine runs as
+configured, and for a fallback or a failure the config key (or doctor flag) that changes it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from vllm_minimax import probe
+from vllm_minimax.serve_config import (
+    M3_HEAD_DIM,
+    M3_SPARSE_BLOCK,
+    M3_TOPK_BLOCKS,
+    ServeConfig,
+)
+
+INSTALL_HINT = (
+    "install FlashInfer as requirements/user-flashinfer.txt pins it (docs/deploy.md, 'FlashInfer"
+    " 0.7.4')"
+)
+
+
+class Outcome(enum.Enum):
+    """How a row bears on `vllm serve` with this config (ordered by how bad it is)."""
+
+    READY = "ready"  # the backend the config asks for, FlashInfer wherever `auto` can pick it
+    INFO = "info"  # nothing this series selects
+    FALLBACK = "fallback"  # `auto` keeps Triton
+    FAILS = "fails"  # vLLM refuses the config or a forced backend at start-up
+
+
+@dataclass(frozen=True)
+class Row:
+    component: str
+    backend: str
+    reason: str
+    outcome: Outcome
+    hint: str | None = None
+
+
+def select_rows(
+    config: ServeConfig, capability: tuple[int, int], *, simulated: bool = True
+) -> list[Row]:
+    """The indexer and the sparse attention that `vllm serve` with `config` would select on a
+    GPU of `capability`: a simulated one, or (`simulated=False`) this machine's, which has
+    that capability."""
+    problems = config.problems()
+    if problems:
+        return [Row("config", "-", "; ".join(problems), Outcome.FAILS, "tensor-parallel-size")]
+    platform = capability if simulated else None
+    return [
+        indexer_row(config, platform),
+        sparse_attention_row(config, capability, simulated=simulated),
+    ]
+
+
+def indexer_row(config: ServeConfig, capability: tuple[int, int] | None) -> Row:
+    """vLLM's indexer selection on a simulated GPU of `capability` (None: this machine's)."""
+    backend_key = config.indexer_backend
+    attention_options = {
+        key: value
+        for key, value in config.attention_config.items()
+        if key != "minimax_m3_indexer_backend"
+    }
+    selection = probe.select_indexer(
+        indexer_kv_dtype=None,
+        topk_blocks=M3_TOPK_BLOCKS,
+        num_index_heads=config.index_heads_per_rank,
+        indexer_backend=backend_key,
+        capability=capability,
+        attention_options=attention_options,
+    )
+    if selection.error is not None:
+        return Row(
+            "indexer", "-", selection.error, Outcome.FAILS, indexer_hint(selection.error, True)
+        )
+    impl = selection.impl or "?"
+    log = selection.log or ""
+    backend = impl.removeprefix("MiniMaxM3Indexer").removesuffix("Impl")
+    if "Triton" in backend and backend_key == "auto":
+        return Row("indexer", backend, log, Outcome.FALLBACK, indexer_hint(log, False))
+    return Row("indexer", backend, log, Outcome.READY)
+
+
+def indexer_hint(reason: str, forced: bool) -> str:
+    """The key (or install step) that changes the indexer's outcome, from vLLM's reason."""
+    if "flashinfer" in reason.lower() and any(
+        word in reason for word in ("import", "install", "older than", "has no", "does not take")
+    ):
+        return INSTALL_HINT
+    if "set indexer_kv_dtype" in reason or "index cache is" in reason:
+        return (
+            "set attention-config.indexer_kv_dtype: fp8 in the config (doctor: --indexer-kv-dtype)"
+        )
+    if "index heads per rank" in reason:
+        return "tensor-parallel-size (index heads per rank: max(1, 4 // TP))"
+    if "compute capability" in reason:
+        return "none in the config: this GPU has no FlashInfer MSA indexer (9.0, 12.0, 12.1 have)"
+    if "Unexpected keyword argument" in reason or "validation error" in reason:
+        return "the attention-config key the error names (this series' vLLM does not take it)"
+    if forced:
+        return "attention-config.minimax_m3_indexer_backend: auto"
+    return "attention-config.minimax_m3_indexer_backend"
+
+
+def sparse_attention_rule(
+    *,
+    capability: tuple[int, int] | None,
+    kv_cache_dtype: str,
+    head_dim: int,
+    block_size: int,
+    topk_blocks: int,
+    num_queries_per_kv: int,
+) -> tuple[bool, str | None]:
+    """Whether FlashInfer's sparse attention can serve MiniMax M3 here, else the first unmet
+    condition: SM90, an fp8 e4m3 KV cache, head dim 128, 128-token pages, top-16 blocks, and
+    8 or 16 query heads per KV head on a rank. Takes what `probe.sparse_attention_gate`
+    passes a series' gate."""
+    if capability != (9, 0):
+        found = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
+        return False, f"compute capability {found}; FlashInfer's sparse attention runs on 9.0"
+    if kv_cache_dtype not in ("fp8", "fp8_e4m3"):
+        return False, (
+            f"KV cache is {kv_cache_dtype}; FlashInfer's SM90 sparse attention reads fp8 e4m3:"
+            " set kv-cache-dtype: fp8"
+        )
+    if head_dim != 128:
+        return False, f"head dim {head_dim}; FlashInfer's sparse attention takes 128"
+    if block_size != 128:
+        return False, (
+            f"block-size {block_size}; FlashInfer's sparse attention takes 128-token pages"
+        )
+    if topk_blocks != 16:
+        return False, f"topk_blocks={topk_blocks}; FlashInfer's sparse attention takes 16"
+    if num_queries_per_kv not in (8, 16):
+        return False, (
+            f"{num_queries_per_kv} query heads per KV head on a rank; FlashInfer's sparse"
+            " attention takes 8 or 16"
+        )
+    return True, None
+
+
+def sparse_attention_hint(reason: str) -> str:
+    if "kv-cache-dtype" in reason or "KV cache is" in reason:
+        return "kv-cache-dtype: fp8 in the config"
+    if "query heads per KV head" in reason:
+        return "tensor-parallel-size (query heads per KV head at a rank: 8 at TP 8, 16 at TP 1-4)"
+    if "block-size" in reason:
+        return "block-size: 128 in the config"
+    if "compute capability" in reason:
+        return "none in the config: FlashInfer's sparse attention runs on 9.0 only"
+    return f"attention-config.{probe.SPARSE_ATTENTION_KEY}"
+
+
+def sparse_attention_row(
+    config: ServeConfig, capability: tuple[int, int], *, simulated: bool = True
+) -> Row:
+    """The sparse attention backend, from the applied series' gate; a series without one
+    selects nothing, and the row says what `sparse_attention_rule` expects once it does."""
+    geometry = {
+        "kv_cache_dtype": config.kv_cache_dtype_resolved,
+        "head_dim": M3_HEAD_DIM,
+        "block_size": config.block_size or M3_SPARSE_BLOCK,
+        "topk_blocks": M3_TOPK_BLOCKS,
+        "num_queries_per_kv": config.queries_per_kv_head,
+    }
+    answer = probe.sparse_attention_gate(capability=capability if simulated else None, **geometry)
+    if not answer.present:
+        usable, reason = sparse_attention_rule(capability=capability, **geometry)
+        expected = "FlashInfer" if usable else f"Triton ({reason})"
+        return Row(
+            "sparse attention",
+            "not in this series",
+            f"vLLM's own sparse attention runs; with the sparse-attention selection this"
+            f" config would get {expected}",
+            Outcome.INFO,
+        )
+    key = config.sparse_attention_backend
+    reason = answer.reason or "FlashInfer cannot run here"
+    if key == "triton":
+        forced = f"{probe.SPARSE_ATTENTION_KEY}='triton'"
+        return Row("sparse attention", "Triton", forced, Outcome.READY)
+    if answer.usable:
+        return Row("sparse attention", "FlashInfer", "the gate passes", Outcome.READY)
+    if key == "flashinfer":
+        return Row(
+            "sparse attention",
+            "-",
+            f"{probe.SPARSE_ATTENTION_KEY}='flashinfer' cannot run here: {reason}",
+            Outcome.FAILS,
+            sparse_attention_hint(reason),
+        )
+    return Row(
+        "sparse attention",
+        "Triton",
+        f"FlashInfer not used: {reason}",
+        Outcome.FALLBACK,
+        sparse_attention_hint(reason),
+    )
