@@ -195,6 +195,16 @@ def sparse_attention_row(
             Outcome.FAILS,
             sparse_attention_hint(reason),
         )
+    if config.kv_cache_dtype_resolved not in ("fp8", "fp8_e4m3"):
+        # A bf16 (or e5m2) KV cache is the config's choice, and Triton its attend: nothing
+        # falls back. The hint says what would change it.
+        return Row(
+            "sparse attention",
+            "Triton",
+            f"as configured: {reason}",
+            Outcome.READY,
+            sparse_attention_hint(reason),
+        )
     return Row(
         "sparse attention",
         "Triton",

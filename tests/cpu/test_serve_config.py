@@ -163,7 +163,8 @@ def gate(present: bool, usable: bool = False, reason: str | None = None):
     ("key", "answer", "backend", "outcome"),
     [
         ("auto", gate(True, True), "FlashInfer", selection.Outcome.READY),
-        ("auto", gate(True, False, "KV cache is bf16"), "Triton", selection.Outcome.FALLBACK),
+        ("auto", gate(True, False, "KV cache is bf16"), "Triton", selection.Outcome.READY),
+        ("auto", gate(True, False, "no build"), "Triton", selection.Outcome.FALLBACK),
         ("triton", gate(True, True), "Triton", selection.Outcome.READY),
         ("flashinfer", gate(True, False, "KV cache is bf16"), "-", selection.Outcome.FAILS),
         ("auto", gate(False), "not in this series", selection.Outcome.INFO),
@@ -173,13 +174,17 @@ def test_the_sparse_attention_row(monkeypatch, key, answer, backend, outcome) ->
     from vllm_minimax import probe
 
     monkeypatch.setattr(probe, "sparse_attention_gate", answer)
+    # A bf16 KV cache is a choice (Triton as configured); an fp8 one that FlashInfer cannot
+    # read is a fallback.
+    bf16 = answer().reason == "KV cache is bf16"
     config = ServeConfig(
         source="test",
+        kv_cache_dtype="auto" if bf16 else "fp8",
         attention_config={"indexer_kv_dtype": "fp8", probe.SPARSE_ATTENTION_KEY: key},
     )
     row = selection.sparse_attention_row(config, (9, 0))
     assert (row.backend, row.outcome) == (backend, outcome)
-    if outcome in (selection.Outcome.FALLBACK, selection.Outcome.FAILS):
+    if bf16 and outcome in (selection.Outcome.READY, selection.Outcome.FAILS) and key != "triton":
         assert row.hint == "kv-cache-dtype: fp8 in the config"
 
 
