@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-import vllm.utils.flashinfer as fi_utils
+import vllm.models.minimax_m3.nvidia.indexer_flashinfer_gate as gate
 
 from vllm_minimax import cli, probe
 
@@ -12,10 +12,10 @@ from vllm_minimax import cli, probe
 def flashinfer_can_jit(monkeypatch):
     """FlashInfer's JIT tools (nvcc, ninja) differ between machines; the MSA probe
     itself still inspects the installed FlashInfer."""
-    monkeypatch.setattr(fi_utils, "has_flashinfer", lambda: True)
-    fi_utils.flashinfer_msa_indexer_unavailable.cache_clear()
+    monkeypatch.setattr(gate, "has_flashinfer", lambda: True)
+    gate.flashinfer_msa_indexer_unavailable.cache_clear()
     yield
-    fi_utils.flashinfer_msa_indexer_unavailable.cache_clear()
+    gate.flashinfer_msa_indexer_unavailable.cache_clear()
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def doctor(capsys, patched_vllm_root):
         ("9.0", "fp8", "MiniMaxM3IndexerFlashInferImpl", "selected FlashInfer"),
         ("9.0", "fp8_e4m3", "MiniMaxM3IndexerFlashInferImpl", "selected FlashInfer"),
         ("9.0", "bf16", "MiniMaxM3IndexerTritonImpl", "SM90 FlashInfer prefill needs fp8"),
-        ("12.0", "bf16", "MiniMaxM3IndexerFlashInferImpl", "selected FlashInfer"),
+        ("12.0", "bf16", "MiniMaxM3IndexerTritonImpl", "opt in with minimax_m3_indexer_backend"),
         ("10.0", "fp8", "MiniMaxM3IndexerMSAImpl", "selected MSA"),
     ],
 )
