@@ -40,7 +40,6 @@ warm-up, profiling and capture batches run over uninitialised cache pages).
 from __future__ import annotations
 
 import bisect
-
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise

@@ -417,7 +417,8 @@ def test_a_changed_flashinfer_internal_is_logged_and_the_engine_goes_on(
     message = record.getMessage()
     assert record.levelno == logging.WARNING
     assert missing in message, message
-    assert "validated on FlashInfer 0.7.4" in message and "builds each program on first use" in message
+    assert "validated on FlashInfer 0.7.4" in message
+    assert "builds each program on first use" in message
     assert list(warmup._JIT._compiled_cache.values()) == [[]]
 
 
