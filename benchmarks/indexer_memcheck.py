@@ -182,6 +182,12 @@ def control() -> None:
     print(f"{OK_PREFIX}control", flush=True)
 
 
+def _device_args() -> list[str]:
+    """``--device cpu`` for a dry run of the orchestration (``INDEXER_MEMCHECK_DEVICE``)."""
+    device = os.environ.get("INDEXER_MEMCHECK_DEVICE")
+    return ["--device", device] if device else []
+
+
 def _sanitizer() -> str:
     found = shutil.which("compute-sanitizer")
     if found is None:
@@ -202,14 +208,14 @@ def _first_error(log: str) -> str:
     return "; ".join(line for line in lines if line)
 
 
-def orchestrate(out: Path, chunk_elements: int, with_control: bool) -> int:
+def orchestrate(out: Path, chunk_elements: int, with_control: bool, variants: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
     me = [sys.executable, "-m", "benchmarks.indexer_memcheck"]
     names = [case.name for case in cases()]
     # The JIT programs, built once without the sanitizer.
     warm = subprocess.run(
-        [*me, "--run", "patch", "--chunk-elements", str(chunk_elements)],
+        [*me, "--run", "patch", "--chunk-elements", str(chunk_elements), *_device_args()],
         env=env,
         capture_output=True,
         text=True,
@@ -219,7 +225,7 @@ def orchestrate(out: Path, chunk_elements: int, with_control: bool) -> int:
     sanitizer = [_sanitizer(), "--tool", "memcheck", "--report-api-errors", "no"]
     sanitizer += ["--print-limit", "20", "--error-exitcode", "3"]
     rows: dict[str, dict[int, str]] = {}
-    for variant in VARIANTS:
+    for variant in variants:
         results: dict[int, str] = {}
         first = 0
         part = 0
@@ -251,11 +257,11 @@ def orchestrate(out: Path, chunk_elements: int, with_control: bool) -> int:
         " every tensor its own cudaMalloc. Command: "
         "`python3 -m benchmarks.indexer_memcheck --out DIR`.",
         "",
-        "| case | " + " | ".join(VARIANTS) + " |",
-        "|---|" + "---|" * len(VARIANTS),
+        "| case | " + " | ".join(variants) + " |",
+        "|---|" + "---|" * len(variants),
     ]
     for index, name in enumerate(names):
-        cells = [rows[v].get(index, "not run") for v in VARIANTS]
+        cells = [rows[v].get(index, "not run") for v in variants]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if with_control:
         done = subprocess.run(
@@ -279,13 +285,20 @@ def main(argv: list[str] | None = None) -> int:
     # Per-head score cap of the chunked case: 3 rows-tiles at its 89 pages.
     parser.add_argument("--chunk-elements", type=int, default=3 * 128 * 89)
     parser.add_argument("--control", action="store_true")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="with --out: a comma-separated subset"
+    )
     parser.add_argument("--device", default="cuda", help="cpu: a dry run on the reference")
     args = parser.parse_args(argv)
     if args.run:
         run_cases(args.run, args.first, args.chunk_elements, args.device)
         return 0
     if args.out:
-        return orchestrate(args.out, args.chunk_elements, with_control=args.control)
+        variants = args.variants.split(",")
+        unknown = [v for v in variants if v not in VARIANTS]
+        if unknown:
+            parser.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+        return orchestrate(args.out, args.chunk_elements, args.control, variants)
     if args.control:
         control()
         return 0
