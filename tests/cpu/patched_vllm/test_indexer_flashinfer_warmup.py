@@ -461,7 +461,7 @@ def test_a_malformed_program_list_is_recomputed(text, tmp_path, monkeypatch):
     from flashinfer.jit import env as jit_env
 
     monkeypatch.setattr(jit_env, "FLASHINFER_WORKSPACE_DIR", tmp_path)
-    geometry = _geometry(2, 4096, 300)
+    geometry = _geometry(2, 2048, 64)
     path = warmup._program_list_path(geometry)
     path.parent.mkdir(parents=True)
     path.write_text(text)
