@@ -146,7 +146,7 @@ def kernel_calls(run):
     for c in md.calls:
         q = q_all[c.token_start : c.token_end]
         if c.prefill_regime:
-            q = mod._with_overread_slack(q)
+            q = mod._with_overread_slack(q, mod._PREFILL_Q_OVERREAD_ROWS)
         pairs.append(
             (
                 q,

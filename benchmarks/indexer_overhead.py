@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             (c,) = md.calls
             q = iq[: md.num_actual_tokens].view(-1, case.heads, 128)
             if c.prefill_regime:
-                q = module._with_overread_slack(q)
+                q = module._with_overread_slack(q, module._PREFILL_Q_OVERREAD_ROWS)
             kp = batch.kv_cache.view(batch.kv_cache.shape[0], 1, 128, 128)
 
             def proxy(q=q, kp=kp, c=c, md=md):

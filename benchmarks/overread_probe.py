@@ -108,7 +108,7 @@ def probe(module) -> None:
             )
             torch.cuda.synchronize()
             regime = "prefill" if call.prefill_regime else "decode"
-            side = "prefill" if call.is_prefill else "decode"
+            side = "prefill" if call.token_start >= md.num_decode_tokens else "decode"
             print(
                 f"{case.name}: {side} side, {regime} regime, q {tuple(q.shape)} {q.dtype} "
                 f"({q.untyped_storage().nbytes()} B), reqs {call.seqused_k.numel()}, "

@@ -20,7 +20,7 @@ from typing import Any
 # indexer selection; a simulated platform has to replace it in each of them.
 _PLATFORM_USERS = (
     "vllm.models.minimax_m3.common.indexer",
-    "vllm.utils.flashinfer",
+    "vllm.models.minimax_m3.nvidia.indexer_flashinfer_gate",
 )
 _SELECTION_MODULE = "vllm.models.minimax_m3.common.indexer"
 # Where a series that selects MiniMax M3's sparse attention backend exposes its gate: a

@@ -22,6 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 WORKSPACE_ENV = "FLASHINFER_WORKSPACE_BASE"
 # What the build may write: the 89 programs of FlashInfer's full SM90 set took
@@ -102,6 +103,68 @@ def read_serve_config(config: Path, model: str):
     return EngineArgs.from_cli_args(args)
 
 
+def indexer_geometry_fields(hf_config: Any) -> dict[str, int]:
+    """The indexer's total index heads, top-k width, head dim and block size from a
+    MiniMax M3 model config: 0.34.0's flat ``index_*`` fields, else 0.33.0's
+    ``sparse_attention_config`` dict."""
+    config = getattr(hf_config, "text_config", hf_config)
+    if hasattr(config, "index_n_heads"):
+        return {
+            "index_heads": config.index_n_heads,
+            "topk_blocks": config.index_topk_blocks,
+            "index_head_dim": config.index_head_dim,
+            "sparse_block_size": config.index_block_size,
+        }
+    sparse = config.sparse_attention_config
+    return {
+        "index_heads": sparse["sparse_num_index_heads"],
+        "topk_blocks": sparse["sparse_topk_blocks"],
+        "index_head_dim": sparse["sparse_index_dim"],
+        "sparse_block_size": sparse["sparse_block_size"],
+    }
+
+
+def engine_indexer_flashinfer_geometry(
+    vllm_config: Any, tensor_parallel_size: int | None = None
+) -> tuple[Any | None, str | None]:
+    """The geometry of the FlashInfer indexer an engine with ``vllm_config`` would
+    run on the current device, as the patched vLLM's warm-up registers it, or
+    ``(None, reason)`` where the engine would not run the FlashInfer indexer.
+    ``tensor_parallel_size`` overrides the config's, so one GPU can prepare the
+    programs of every rank of a larger engine (the ranks share one geometry)."""
+    from vllm.models.minimax_m3.nvidia import indexer_flashinfer_warmup as warmup
+    from vllm.models.minimax_m3.nvidia.indexer_flashinfer_gate import (
+        flashinfer_indexer_unavailable,
+        index_cache_is_fp8,
+    )
+
+    fields = indexer_geometry_fields(vllm_config.model_config.hf_config)
+    tp_size = tensor_parallel_size or vllm_config.parallel_config.tensor_parallel_size
+    # Index-query heads per rank, as the indexer builder divides them.
+    num_index_heads = max(1, fields["index_heads"] // tp_size)
+    attention_config = vllm_config.attention_config
+    indexer_kv_dtype = attention_config.resolve_indexer_kv_dtype("bf16")
+    reason = flashinfer_indexer_unavailable(
+        backend=attention_config.minimax_m3_indexer_backend,
+        topk_blocks=fields["topk_blocks"],
+        index_head_dim=fields["index_head_dim"],
+        sparse_block_size=fields["sparse_block_size"],
+        num_index_heads=num_index_heads,
+        indexer_kv_dtype=indexer_kv_dtype,
+    )
+    if reason is not None:
+        return None, reason
+    arch, num_sms = warmup.current_device_facts()
+    geometry = warmup.geometry_from_config(
+        vllm_config,
+        num_index_heads=num_index_heads,
+        kv_fp8=index_cache_is_fp8(indexer_kv_dtype),
+        arch=arch,
+        num_sms=num_sms,
+    )
+    return geometry, None
+
+
 def run(args: argparse.Namespace) -> int:
     location = cache_location(args.cache_dir)
     if not args.config.is_file():
@@ -134,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args.pipeline_parallel_size = 1
     engine_args.data_parallel_size = 1
     vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
-    geometry, reason = warmup.engine_indexer_flashinfer_geometry(
+    geometry, reason = engine_indexer_flashinfer_geometry(
         vllm_config, tensor_parallel_size=tensor_parallel_size
     )
     if geometry is None:

@@ -70,7 +70,7 @@ def test_patched_forward_matches_reference(heads, init_blocks, monkeypatch):
     md = run.metadata
     assert (md.num_decodes, md.num_prefills) == (3, 2)
     assert md.max_k_tiles == -(-4000 // 128)
-    assert torch.equal(md.num_valid_pages, batch.num_valid_pages)
+    assert torch.equal(torch.cat([c.num_valid_pages for c in md.calls]), batch.num_valid_pages)
     got = run.forward()
     # A mixed batch runs one pair for the decode rows and one for the prefill rows.
     assert [c[0] for c in calls] == ["proxy", "topk", "proxy", "topk"]

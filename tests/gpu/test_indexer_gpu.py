@@ -168,3 +168,26 @@ def test_bf16_prefill_is_refused_on_sm90(fi_module):
     run = patched_run(fi_module, make_batch(case, "cuda"))
     with pytest.raises(NotImplementedError, match="fp8"):
         run.forward()
+
+
+def test_prefills_scored_in_query_chunks_match_reference(fi_module, monkeypatch):
+    """The score cap forces 384-row chunks that cut requests (a chunk scores its rows
+    of a request against that request's keys up to its last row there): FlashInfer's
+    selection over the chunked calls still matches the reference on every token."""
+    from vllm_minimax.testing.indexer_cases import IndexerCase
+
+    case = IndexerCase(
+        "chunked_2dec_700_900_on_ctx_h2",
+        "mixed",
+        ((1, 9000), (1, 11000), (700, 700), (900, 2900)),
+        2,
+    )
+    monkeypatch.setattr(fi_module, "_SCORE_CHUNK_ELEMENTS", 3 * 128 * 89)
+    batch = make_batch(case, "cuda")
+    run = patched_run(fi_module, batch)
+    assert [c.token_end - c.token_start for c in run.metadata.calls] == [2, 384, 384, 384, 384, 64]
+    got = run.forward().clone()
+    torch.cuda.synchronize()
+    assert (batch.topk_buffer[batch.total_q :] == -7).all(), "wrote past num_tokens"
+    fb, fe = forced_counts(case)
+    _check_against_reference(got, batch, reference_scores(batch), fb, fe, "flashinfer chunked")

@@ -3,14 +3,15 @@
     python tests/gpu_e2e/workspace_run.py --model DIR --out run.json [--max-model-len N]
 
 The engine (FlashInfer indexer forced, fp8 index cache, eager, one GPU) gets
-``max_model_len`` N (default 1M) and 16384 batched tokens a step, so its largest
-score buffer is 4 index heads x N/128 pages x 16384 rows x 4 bytes (2 GiB at
-1M), which the patch reserves in vLLM's workspace during the memory-profiling
-run. The caching allocator is capped at the engine's own budget
+``max_model_len`` N (default 1M) and 16384 batched tokens a step; the patch
+scores long prefills in query chunks, so its largest score buffer is
+``score_workspace_shape`` (4 index heads x N/128 pages x 2048 rows x 4 bytes,
+256 MiB, at 1M), which it reserves in vLLM's workspace during the
+memory-profiling run. The caching allocator is capped at the engine's own budget
 (``torch.cuda.set_per_process_memory_fraction`` = ``gpu_memory_utilization``),
 and the KV cache takes what the profiled peak leaves of it, so an allocation the
 profiler did not see finds no room. One prompt of N - 64 tokens is prefilled (its
-last chunks score 16384 rows against nearly N tokens) and decodes 4 tokens.
+last chunks score their rows against nearly N tokens, chunk by chunk) and decodes 4 tokens.
 
 The JSON holds ``workspace_bytes`` (vLLM's workspace after the run),
 ``expected_bytes`` (``score_workspace_shape`` of each FlashInfer layer's heads),
@@ -44,6 +45,8 @@ def workspace_state(worker) -> dict:
     context = config.compilation_config.static_forward_context
     layers = sorted(context.items())
     impls = {name: layer.indexer.impl for name, layer in layers if hasattr(layer, "indexer")}
+    spec = config.speculative_config
+    decode_query_len = 1 + ((spec.num_speculative_tokens or 0) if spec is not None else 0)
     expected = 0
     for impl in impls.values():
         if isinstance(impl, indexer_flashinfer.MiniMaxM3IndexerFlashInferImpl):
@@ -51,6 +54,7 @@ def workspace_state(worker) -> dict:
                 impl.num_index_heads,
                 config.model_config.max_model_len,
                 config.scheduler_config.max_num_batched_tokens,
+                config.scheduler_config.max_num_seqs * decode_query_len,
             )
             expected = max(expected, math.prod(shape) * 4)
     workspace = current_workspace_manager()._current_workspaces[0]

@@ -50,6 +50,9 @@ SERIES_VERSION = "0.34.0"
 # Names the series (a supported vLLM version) the loader builds the file from.
 SERIES_VERSION_ENV = "VLLM_MINIMAX_SERIES_VERSION"
 NEW_FILE = "vllm/models/minimax_m3/nvidia/indexer_flashinfer.py"
+# The series' gate module, whose constants the indexer imports.
+GATE_FILE = "vllm/models/minimax_m3/nvidia/indexer_flashinfer_gate.py"
+GATE_MODULE = "vllm.models.minimax_m3.nvidia.indexer_flashinfer_gate"
 MODULE_NAME = "vllm_minimax._patched_indexer_flashinfer"
 
 
@@ -129,7 +132,8 @@ def indexer_text_config(
 
 class VllmConfig:
     """Just what the builders and the impl read: model_config.hf_config and
-    max_model_len, scheduler_config.max_num_batched_tokens."""
+    max_model_len, scheduler_config.max_num_batched_tokens and max_num_seqs,
+    speculative_config."""
 
     def __init__(
         self,
@@ -140,6 +144,7 @@ class VllmConfig:
         max_num_batched_tokens: int = 16384,
         max_model_len: int = 262144,
         num_speculative_tokens: int = 0,
+        max_num_seqs: int = 256,
     ) -> None:
         text_config = indexer_text_config(
             index_n_heads=index_n_heads,
@@ -149,8 +154,14 @@ class VllmConfig:
         self.model_config = SimpleNamespace(
             hf_config=SimpleNamespace(text_config=text_config), max_model_len=max_model_len
         )
-        self.scheduler_config = SimpleNamespace(max_num_batched_tokens=max_num_batched_tokens)
-        self.num_speculative_tokens = num_speculative_tokens
+        self.scheduler_config = SimpleNamespace(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
+        )
+        self.speculative_config = (
+            SimpleNamespace(num_speculative_tokens=num_speculative_tokens)
+            if num_speculative_tokens
+            else None
+        )
 
 
 _CURRENT_VLLM_CONFIG: list[VllmConfig] = []
@@ -367,7 +378,8 @@ class MiniMaxM3IndexerMetadataBuilder:
         self.device = device
         text_config = vllm_config.model_config.hf_config.text_config
         self.num_index_heads = max(1, text_config.index_n_heads)
-        self.reorder_batch_threshold = 1 + getattr(vllm_config, "num_speculative_tokens", 0)
+        spec = vllm_config.speculative_config
+        self.reorder_batch_threshold = 1 + (spec.num_speculative_tokens if spec else 0)
         self.max_decode_query_len = self.reorder_batch_threshold
         n = vllm_config.scheduler_config.max_num_batched_tokens
         self.context_len_buffer = torch.empty(n, dtype=torch.int32, device=device)
@@ -429,11 +441,32 @@ def set_forward_context(attn_metadata: Any) -> None:
     _FORWARD_CONTEXT.attn_metadata = attn_metadata
 
 
+def _mod(name: str, **attrs: Any) -> types.ModuleType:
+    m = types.ModuleType(name)
+    m.__dict__.update(attrs)
+    return m
+
+
+def load_patched_gate(version: str | None = None) -> types.ModuleType:
+    """The series' gate module (the indexer's shared constants), exec'd with
+    stand-ins for the two vLLM names it imports; its functions are not for use
+    here (the platform stand-in is no platform)."""
+    version = version or series_version()
+    module = types.ModuleType(GATE_MODULE)
+    module.__file__ = f"vllm-{version} series::{GATE_FILE}"
+    shims = {
+        "vllm": _mod("vllm"),
+        "vllm.platforms": _mod("vllm.platforms", current_platform=None),
+        "vllm.utils": _mod("vllm.utils"),
+        "vllm.utils.flashinfer": _mod("vllm.utils.flashinfer", has_flashinfer=lambda: False),
+    }
+    with temporary_modules(shims):
+        exec(compile(patched_source(version, GATE_FILE), module.__file__, "exec"), module.__dict__)
+    return module
+
+
 def _shim_modules(msa_ops: Any) -> dict[str, types.ModuleType]:
-    def mod(name: str, **attrs: Any) -> types.ModuleType:
-        m = types.ModuleType(name)
-        m.__dict__.update(attrs)
-        return m
+    mod = _mod
 
     mods = {
         "vllm": mod("vllm"),
@@ -446,6 +479,8 @@ def _shim_modules(msa_ops: Any) -> dict[str, types.ModuleType]:
         "vllm.models": mod("vllm.models"),
         "vllm.models.minimax_m3": mod("vllm.models.minimax_m3"),
         "vllm.models.minimax_m3.common": mod("vllm.models.minimax_m3.common"),
+        "vllm.models.minimax_m3.nvidia": mod("vllm.models.minimax_m3.nvidia"),
+        GATE_MODULE: load_patched_gate(),
         "vllm.models.minimax_m3.common.indexer": mod(
             "vllm.models.minimax_m3.common.indexer",
             MiniMaxM3IndexerBackend=MiniMaxM3IndexerBackend,

@@ -39,6 +39,7 @@ warm-up, profiling and capture batches run over uninitialised cache pages).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -205,6 +206,12 @@ class EngineStep:
             return None
         return qsl.index(token_start), qsl.index(token_end)
 
+    def requests_covering(self, token_start: int, token_end: int) -> tuple[int, int]:
+        """The requests [first, last) holding any of the tokens [token_start, token_end)."""
+        qsl = self.query_start_loc
+        first = bisect.bisect_right(qsl, token_start) - 1
+        return first, bisect.bisect_left(qsl, token_end)
+
 
 def model_local_blocks(text_config, vllm_version: str) -> int:
     """The trailing local window, in blocks, read from the model config the way that
@@ -251,7 +258,8 @@ def _audit_step(impl, index_query: torch.Tensor) -> None:
     kv = impl.index_cache.kv_cache
     k_pages = kv.view(kv.shape[0], 1, PAGE, impl.index_head_dim)
     force_begin, force_end = _forced_regions(impl, step)
-    kinds = {call.is_prefill for call in md.calls}
+    # The decode side is the calls over the first num_decode_tokens rows.
+    kinds = {call.token_start < md.num_decode_tokens for call in md.calls}
     mixed = len(kinds) == 2
     AUDIT.mixed_steps += int(mixed)
     layer = "draft-" if mtp_draft.is_draft_layer_name(impl.index_cache.prefix) else ""
@@ -259,7 +267,8 @@ def _audit_step(impl, index_query: torch.Tensor) -> None:
         step.numbered(AUDIT.requests)
     covered = 0
     for call in md.calls:
-        side = "prefill" if call.is_prefill else "decode"
+        is_prefill = call.token_start >= md.num_decode_tokens
+        side = "prefill" if is_prefill else "decode"
         kind = layer + ("mixed-" if mixed else "") + side
         counts = AUDIT.counts(kind)
         counts.calls += 1
@@ -267,14 +276,17 @@ def _audit_step(impl, index_query: torch.Tensor) -> None:
             counts.problems.append(f"calls leave a gap at token {covered}")
         covered = call.token_end
         requests = step.requests_of(call.token_start, call.token_end)
-        if requests is None:
+        if requests is None and not is_prefill:
             counts.problems.append(
-                f"call tokens [{call.token_start}, {call.token_end}) split a request"
+                f"decode call tokens [{call.token_start}, {call.token_end}) split a request"
             )
             continue
-        first, last = requests
-        cu = torch.tensor(step.query_start_loc[first : last + 1]) - call.token_start
-        if not call.is_prefill:
+        # A prefill chunk may cut requests: its rows are scored within theirs.
+        first, last = requests or step.requests_covering(call.token_start, call.token_end)
+        rows_start = step.query_start_loc[first]
+        call_rows = slice(call.token_start - rows_start, call.token_end - rows_start)
+        cu = torch.tensor(step.query_start_loc[first : last + 1]) - rows_start
+        if not is_prefill:
             rows = call.token_end - call.token_start
             q_len = int((cu[1:] - cu[:-1]).max())
             counts.decode_query_lens[q_len] = counts.decode_query_lens.get(q_len, 0) + rows
@@ -282,13 +294,13 @@ def _audit_step(impl, index_query: torch.Tensor) -> None:
         device = q_all.device
         nvp = (step.positions[call.token_start : call.token_end] // PAGE + 1).to(torch.int32)
         scores = reference.proxy_score(
-            q_all[call.token_start : call.token_end],
+            q_all[rows_start : step.query_start_loc[last]],
             k_pages,
             cu.to(device),
             page_table=step.block_table[first:last],
             seqused_k=seq_lens.to(device),
             max_k_tiles=-(-int(seq_lens.max()) // PAGE),
-        )
+        )[:, :, call_rows].contiguous()
         nvp = nvp.to(device)
         got = impl.topk_indices_buffer[call.token_start : call.token_end]
         counts.problems += vector_invariants(got, nvp, fb=force_begin, fe=force_end)

@@ -152,19 +152,11 @@ def test_builder_fields(name):
         expected_split(batch, threshold)
     )
     assert md.prefill is None and md.decode is None
-    assert md.proxy_cu_seqlens_q.dtype == torch.int32
-    assert md.proxy_cu_seqlens_q.tolist() == [0, *torch.tensor(batch.query_lens).cumsum(0).tolist()]
-    assert md.proxy_seqused_k.dtype == torch.int32
-    assert md.proxy_seqused_k.tolist() == batch.seq_lens
-    assert md.proxy_page_table.dtype == torch.int32
-    assert torch.equal(md.proxy_page_table, batch.metadata.block_table_tensor)
-    assert md.proxy_max_seqlen_q == max(batch.query_lens)
     assert md.max_k_tiles == -(-max(batch.seq_lens) // PAGE)
     assert md.max_seq_len == max(batch.seq_lens)
-    assert md.num_valid_pages.dtype == torch.int32
-    assert md.num_valid_pages.tolist() == [p // PAGE + 1 for p in batch.positions]
-    # In the builder's shared buffer, and only the step's tokens written.
-    assert md.num_valid_pages.data_ptr() == builder.num_valid_pages_buffer.data_ptr()
+    # The calls' page counts are views of the builder's shared buffer, and only the
+    # step's tokens are written.
+    assert md.calls[0].num_valid_pages.data_ptr() == builder.num_valid_pages_buffer.data_ptr()
     assert torch.all(builder.num_valid_pages_buffer[num_tokens:] == POISON)
     check_calls(md, batch, expected_split(batch, threshold))
 
@@ -184,7 +176,6 @@ def check_calls(md, batch, split) -> None:
         query_lens = batch.query_lens[first:last]
         token_end = token_start + sum(query_lens)
         assert (call.token_start, call.token_end) == (token_start, token_end)
-        assert call.is_prefill == is_prefill
         assert call.cu_seqlens_q.dtype == torch.int32
         assert call.cu_seqlens_q.tolist() == [0, *torch.tensor(query_lens).cumsum(0).tolist()]
         assert call.seqused_k.tolist() == batch.seq_lens[first:last]
@@ -226,7 +217,7 @@ def test_full_graph_decode_reads_only_stable_buffers(query_len):
     (graph_call,) = at_capture.calls
     at_replay = builder.build(0, replay.metadata)
     (replay_call,) = at_replay.calls
-    assert not graph_call.is_prefill and not replay_call.is_prefill
+    assert at_capture.num_prefills == at_replay.num_prefills == 0
     assert at_capture.max_k_tiles == max_model_len // PAGE >= at_replay.max_k_tiles
     assert graph_call.max_seqlen_q == replay_call.max_seqlen_q == query_len
     for field in ("cu_seqlens_q", "seqused_k", "page_table", "num_valid_pages"):
@@ -405,7 +396,7 @@ def test_forward_writes_the_reference_selection(
     assert kernels.topk_calls == [dict(force_begin=init_blocks, force_end=local_blocks)] * pairs
     problems = reference.check_selection_invariants(
         buffer[:num_tokens],
-        md.num_valid_pages,
+        torch.tensor([p // PAGE + 1 for p in batch.positions], dtype=torch.int32),
         topk=16,
         force_begin_blocks=init_blocks,
         force_end_blocks=local_blocks,

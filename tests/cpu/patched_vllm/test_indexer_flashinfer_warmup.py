@@ -243,16 +243,17 @@ def test_either_fp8_spelling_warms_the_fp8_programs(spelling, monkeypatch):
     both through. An engine's registration and the `vllm-minimax warmup` geometry must
     then plan fp8 programs: FlashInfer's SM90 dispatch refuses a bf16 prefill-regime
     proxy score, which would fail the engine's start."""
-    import vllm.utils.flashinfer as fi_utils
+    import vllm.models.minimax_m3.nvidia.indexer_flashinfer_gate as gate
     from vllm.models.minimax_m3.nvidia import indexer_flashinfer
 
+    from vllm_minimax import warmup as cli_warmup
     from vllm_minimax.probe import platform_override, simulated_cuda_platform
 
     config = _engine_config(spelling)
     monkeypatch.setattr(warmup, "current_device_facts", lambda: ("sm90", H200_SMS))
-    monkeypatch.setattr(fi_utils, "flashinfer_msa_indexer_unavailable", lambda: None)
+    monkeypatch.setattr(gate, "flashinfer_msa_indexer_unavailable", lambda: None)
     with platform_override(simulated_cuda_platform((9, 0))):
-        cli_geometry, reason = warmup.engine_indexer_flashinfer_geometry(config)
+        cli_geometry, reason = cli_warmup.engine_indexer_flashinfer_geometry(config)
     assert reason is None
     registered: list[dict] = []
     monkeypatch.setattr(warmup._JIT, "register_warmup", lambda **fields: registered.append(fields))
@@ -348,3 +349,202 @@ def test_vllm_warmup_registry_builds_each_geometry_once(monkeypatch):
     assert len(registry) == 1
     registry.warmup()
     assert built == [geometry]
+
+
+# ---------------------------------------------------------------------------
+# The warm-up never stops the engine.
+# ---------------------------------------------------------------------------
+# Each FlashInfer internal the warm-up reads, and the geometry that reaches it.
+PRIVATE_NAMES = {
+    "plan_topk_select": ("flashinfer.msa_ops.cake_hopper_sm90", "plan_topk_select", "sm90"),
+    "ROUTES": ("flashinfer.jit.cake_hopper_msa", "ROUTES", "sm90"),
+    "_select_plan": ("flashinfer.msa_ops.cute_dsl.topk_select_sm90", "_select_plan", "sm90"),
+    "TOPK": ("flashinfer.msa_ops.cute_dsl.topk_select_sm90", "TOPK", "sm90"),
+    "_MAX_BLOCKS": (
+        "flashinfer.msa_ops.cute_dsl.topk_select_countrank_sm12x",
+        "_MAX_BLOCKS",
+        "sm120",
+    ),
+    "FLASHINFER_WORKSPACE_DIR": ("flashinfer.jit.env", "FLASHINFER_WORKSPACE_DIR", "sm90"),
+    "FLASHINFER_JIT_DIR": ("flashinfer.jit.env", "FLASHINFER_JIT_DIR", "sm90"),
+    "load_hopper_msa_module": ("flashinfer.jit.cake_hopper_msa", "load_hopper_msa_module", "sm90"),
+}
+
+
+def _flashinfer_impl(heads: int = 1, dtype: str = "fp8"):
+    from vllm.models.minimax_m3.nvidia import indexer_flashinfer
+
+    impl = object.__new__(indexer_flashinfer.MiniMaxM3IndexerFlashInferImpl)
+    impl.num_index_heads, impl.indexer_kv_dtype = heads, dtype
+    return impl
+
+
+@pytest.mark.parametrize("name", [*PRIVATE_NAMES, "plan_topk_select.__wrapped__"])
+def test_a_changed_flashinfer_internal_is_logged_and_the_engine_goes_on(
+    name, monkeypatch, tmp_path, caplog
+):
+    """A FlashInfer release that renames what the warm-up reads must not stop the
+    engine: vLLM's registry runs the warm-up, which logs why it could not run and
+    names the FlashInfer release it was validated on; the start goes on."""
+    import importlib
+    import logging
+
+    from flashinfer.jit import env as jit_env
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    if name == "plan_topk_select.__wrapped__":
+        module_name, attribute, arch = PRIVATE_NAMES["plan_topk_select"]
+        module = importlib.import_module(module_name)
+        real = module.plan_topk_select
+        monkeypatch.setattr(module, attribute, lambda **kw: real(**kw))  # no __wrapped__
+        missing = "__wrapped__"
+    else:
+        module_name, attribute, arch = PRIVATE_NAMES[name]
+        monkeypatch.setattr(jit_env, "FLASHINFER_WORKSPACE_DIR", tmp_path / "ws")
+        monkeypatch.setattr(jit_env, "FLASHINFER_JIT_DIR", tmp_path / "jit")
+        monkeypatch.delattr(importlib.import_module(module_name), attribute)
+        missing = attribute
+    monkeypatch.setattr(warmup, "current_device_facts", lambda: (arch, H200_SMS))
+    monkeypatch.setattr(warmup._JIT, "_compiled_cache", {})
+    config = _engine_config("fp8")
+    config.model_config.max_model_len = 40000  # wider than the fill-only top-k
+    registry = JitWarmupRegistry(vllm_config=config)
+    with registry.activate(), caplog.at_level(logging.WARNING):
+        warmup.register_indexer_flashinfer_warmup(_flashinfer_impl(), config)
+        assert len(registry) == 1
+        registry.warmup()  # raises nothing
+    (record,) = [r for r in caplog.records if "warm-up skipped" in r.getMessage()]
+    message = record.getMessage()
+    assert record.levelno == logging.WARNING
+    assert missing in message, message
+    assert "validated on FlashInfer 0.7.4" in message
+    assert "builds each program on first use" in message
+    assert list(warmup._JIT._compiled_cache.values()) == [[]]
+
+
+def test_a_warmup_that_cannot_be_planned_is_logged_at_registration(monkeypatch, caplog):
+    """On a device without FlashInfer MSA kernels (here: the CPU) the geometry cannot
+    be read: model construction logs it and registers nothing."""
+    import logging
+
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    registry = JitWarmupRegistry(vllm_config=None)
+    with registry.activate(), caplog.at_level(logging.WARNING):
+        warmup.register_indexer_flashinfer_warmup(_flashinfer_impl(), _engine_config("fp8"))
+    assert len(registry) == 0
+    assert any("could not register" in r.getMessage() for r in caplog.records), caplog.text
+
+
+# ---------------------------------------------------------------------------
+# A kept program list is used only when it is one the warm-up wrote.
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json",
+        "null",
+        '"a string"',
+        "{}",
+        "[]",
+        "[1]",
+        '[{"name": "x"}]',
+        '[{"name": 1, "op": "topk_select", "max_k_tiles": 1, "total_q": 1}]',
+        '[{"name": "x", "op": "topk_select", "max_k_tiles": "3", "total_q": 1}]',
+        '[{"name": "x", "op": "topk_select", "max_k_tiles": 0, "total_q": 1}]',
+        '[{"name": "x", "op": "proxy_score", "query_lens": 5, "max_k_tiles": 1, "num_pages": 1}]',
+        '[{"name": "x", "op": "proxy_score", "query_lens": [], "max_k_tiles": 1, "num_pages": 1}]',
+        '[{"name": "x", "op": "build", "max_k_tiles": 1, "total_q": 1}]',
+    ],
+)
+def test_a_malformed_program_list_is_recomputed(text, tmp_path, monkeypatch):
+    from flashinfer.jit import env as jit_env
+
+    monkeypatch.setattr(jit_env, "FLASHINFER_WORKSPACE_DIR", tmp_path)
+    geometry = _geometry(2, 2048, 64)
+    path = warmup._program_list_path(geometry)
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    programs = warmup.cached_indexer_flashinfer_programs(geometry)
+    assert programs == warmup.indexer_flashinfer_programs(geometry)
+    # Written again, whole: the next start reads it.
+    assert warmup._load_program_list(path) == programs
+
+
+# ---------------------------------------------------------------------------
+# One process per host builds; the others wait for its cache.
+# ---------------------------------------------------------------------------
+def test_one_process_per_host_builds_and_the_others_wait(tmp_path, monkeypatch):
+    """Two ranks warming the same geometry at once: the first to take the lock
+    builds the artifacts, the second waits for it and then builds nothing. Each
+    rank's FileLock opens the lock file itself, as separate processes do."""
+    import threading
+    import time as time_mod
+
+    from flashinfer.jit import env as jit_env
+
+    monkeypatch.setattr(jit_env, "FLASHINFER_WORKSPACE_DIR", tmp_path / "ws")
+    monkeypatch.setattr(jit_env, "FLASHINFER_JIT_DIR", tmp_path / "jit")
+    artifact = tmp_path / "jit" / "cake_topk" / "topk.so"
+    programs = [warmup.FlashInferProgram("cake:topk", warmup.TopkSelectCall(4, 1))]
+    monkeypatch.setattr(warmup, "cached_indexer_flashinfer_programs", lambda g: programs)
+    monkeypatch.setattr(warmup, "_prebuild_cake_programs", lambda programs: None)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda: None)
+    builds: list[str] = []
+
+    def build_or_load(call, num_heads):  # FlashInfer's own check, then a slow build
+        if not artifact.exists():
+            time_mod.sleep(0.3)
+            artifact.parent.mkdir(parents=True, exist_ok=True)
+            artifact.write_bytes(b"so")
+            builds.append(threading.current_thread().name)
+
+    monkeypatch.setattr(warmup, "_run_topk_select", build_or_load)
+    results: dict[str, int] = {}
+
+    def rank(name: str) -> None:
+        results[name] = warmup.build_indexer_flashinfer_programs(_geometry(1, 8192, 1024))[1]
+
+    threads = [threading.Thread(target=rank, args=(f"rank{i}",), name=f"rank{i}") for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(builds) == 1, builds
+    assert sorted(results.values()) == [0, 1]
+
+
+# ---------------------------------------------------------------------------
+# The sampled top-k plan covers an engine at production sizes.
+# ---------------------------------------------------------------------------
+def _random_points(geometry, rng, count: int):
+    """Half of the points inside random cells of the warm-up's own sampling grid (where a
+    program the grid misses must lie), half log-uniform over the whole plane."""
+    widths = warmup._sample(geometry.max_k_tiles)
+    tokens = warmup._sample(geometry.max_num_batched_tokens)
+    for i in range(count):
+        if i % 2:
+            yield (
+                max(1, int(geometry.max_k_tiles ** rng.random())),
+                max(1, int(geometry.max_num_batched_tokens ** rng.random())),
+            )
+        else:
+            w, t = rng.randrange(len(widths) - 1), rng.randrange(len(tokens) - 1)
+            yield rng.randint(widths[w], widths[w + 1]), rng.randint(tokens[t], tokens[t + 1])
+
+
+def test_topk_sampling_covers_random_points_at_production_sizes():
+    """MiniMax M3 at TP1 (4 index heads) with 192k-token contexts and 16k batched
+    tokens: every top-k program FlashInfer picks at 20000 seeded random (width, token
+    count) points is among the warm-up's. A grid spaced by 1.2 or 1.3 instead of 1.05
+    leaves 2 or 3 of the 50 programs unbuilt here."""
+    import random
+
+    geometry = _geometry(4, 196608, 16384)
+    names = {program.name for program in warmup.topk_programs(geometry)}
+    unbuilt = set()
+    for tiles, total_q in _random_points(geometry, random.Random(45), 20000):
+        program = warmup.sm90_topk_program(4, tiles, total_q, H200_SMS)
+        if program not in names:
+            unbuilt.add((program, tiles, total_q))
+    assert not unbuilt, sorted(unbuilt)[:5]

@@ -101,7 +101,8 @@ def make_impl(*, heads: int = 1, local_blocks: int = 1, max_model_len: int = 655
     # What the engine's config holds at profiling (a CPU VllmConfig has no model).
     impl.vllm_config = types.SimpleNamespace(
         model_config=types.SimpleNamespace(max_model_len=max_model_len),
-        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=MAX_TOKENS),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=64),
+        speculative_config=None,
     )
     return impl, buffer
 
@@ -290,17 +291,23 @@ def test_decode_max_seqlen_q_counts_zero_length_rows_out(
 # 3. The score buffer is a reserved, reused workspace.
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    ("heads", "max_model_len", "max_tokens", "mib"),
+    ("heads", "max_model_len", "max_tokens", "max_decode_tokens", "rows"),
     [
-        (1, 131072, 8192, 32),  # TP8 (4 index heads / 8 ranks), 128k, 8192 tokens
-        (4, 1 << 20, 16384, 2048),  # TP1, 1M, 16k tokens
-        (2, 1000, 64, 2 * 8 * 64 * 4 / 2**20),  # a partial last page counts whole
+        (1, 131072, 8192, 256, 8192),  # TP8 (4 index heads / 8 ranks), 128k: 32 MiB
+        # TP1, 1M, 16k tokens: prefills in chunks of 2048 rows, 256 MiB (not 2 GiB).
+        (4, 1 << 20, 16384, 256, 2048),
+        # 1024 decodes of MTP K=4 are scored whole: the decode side sets the size.
+        (4, 1 << 20, 16384, 5120, 5120),
+        (2, 1000, 64, 64, 64),  # a partial last page counts whole
     ],
 )
-def test_score_workspace_shape(heads, max_model_len, max_tokens, mib):
-    shape = fi_mod.score_workspace_shape(heads, max_model_len, max_tokens)
-    assert shape == (heads, -(-max_model_len // PAGE), max_tokens)
-    assert shape[0] * shape[1] * shape[2] * 4 / 2**20 == mib
+def test_score_workspace_shape(heads, max_model_len, max_tokens, max_decode_tokens, rows):
+    shape = fi_mod.score_workspace_shape(heads, max_model_len, max_tokens, max_decode_tokens)
+    assert shape == (heads, -(-max_model_len // PAGE), rows)
+    # Any prefill chunk of a shorter step fits the reserved scores.
+    for tiles in sorted({1, 7, 100, 1000, shape[1]} & set(range(1, shape[1] + 1))):
+        chunk = min(max_tokens, fi_mod.prefill_chunk_rows(tiles))
+        assert tiles * chunk <= shape[1] * shape[2]
 
 
 def test_profiling_reserves_the_workspace_and_every_call_reuses_it(
@@ -338,6 +345,49 @@ def test_profiling_reserves_the_workspace_and_every_call_reuses_it(
         assert call["output"] is not None, "the score buffer was allocated per call"
         assert call["output"].data_ptr() == reserved.data_ptr()
     assert {t["score_ptr"] for t in kernels.topk} == {reserved.data_ptr()}
+
+
+def test_long_prefills_are_scored_in_query_chunks_within_the_reserved_buffer(
+    monkeypatch, kernels, cpu_workspace
+):
+    """A prefill side whose scores would pass the per-head cap is scored in query
+    chunks of whole 128-row tiles, cutting requests where it must; every row keeps
+    its own causal extent (the selection equals the whole batch's reference), and no
+    call's scores exceed what profiling reserved, with the workspace locked."""
+    max_model_len = 12000  # 94 pages
+    # A cap of 3 tiles of rows at this engine's longest context: 384-row chunks.
+    monkeypatch.setattr(fi_mod, "_SCORE_CHUNK_ELEMENTS", 3 * PAGE * 94)
+    impl, buffer = make_impl(heads=2, max_model_len=max_model_len)
+    impl.reserve_workspace()
+    reserved = cpu_workspace._current_workspaces[0]
+    assert reserved.numel() == 2 * 94 * max(64, 3 * PAGE) * 4
+    cpu_workspace.lock()
+    # 2 decodes, then prefills of 700 rows on no context and 900 on 2000 tokens.
+    batch = metadata([9000, 11000, 0, 2000], [1, 1, 700, 900])
+    md = make_builder().build(0, batch)
+    bind_cache(impl, batch)
+    index_query = torch.randn(batch.num_actual_tokens, 256).to(FP8)
+    run_forward(monkeypatch, impl, md, index_query)
+
+    k_pages = impl.index_cache.kv_cache.view(-1, 1, PAGE, 128)
+    want = reference_selection(batch, index_query, k_pages, 2, 1)
+    assert torch.equal(buffer[: batch.num_actual_tokens], want)
+    # The decode side whole, then 1600 prefill rows as 384 + 384 + 384 + 384 + 64.
+    assert [c["q_rows"] for c in kernels.proxy] == [2, 384, 384, 384, 384, 64]
+    assert [(c.token_start, c.token_end) for c in md.calls] == [
+        (0, 2),
+        (2, 386),
+        (386, 770),
+        (770, 1154),
+        (1154, 1538),
+        (1538, 1602),
+    ]
+    # The chunk over rows [386, 770) cuts both prefills: 316 rows of the first (ending
+    # at its position 699), 68 of the second (positions 2000 to 2067).
+    assert md.calls[2].cu_seqlens_q.tolist() == [0, 316, 384]
+    assert md.calls[2].seqused_k.tolist() == [700, 2068]
+    for call in kernels.proxy:
+        assert call["output"].data_ptr() == reserved.data_ptr()
 
 
 # ---------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def test_a_mis_sliced_page_table_is_caught(monkeypatch, audit):
     """The decode side of a mixed step reading the prefill's page-table row."""
     impl, md, index_query = _step(monkeypatch, "decode+prefill")
     decode_call = md.calls[0]
-    decode_call.page_table[1] = md.proxy_page_table[2]  # the context of request 1 swapped
+    decode_call.page_table[1] = md.calls[1].page_table[0]  # the context of request 1 swapped
     run_forward(monkeypatch, impl, md, index_query)
     problems = audit.summary()["by_kind"]["mixed-decode"]["problems"]
     assert problems, audit.summary()
