@@ -19,6 +19,7 @@ SERVE_CONFIGS = sorted((REPO / "configs" / "serve").glob("*.yaml"))
 # The GPU each shipped config is written for.
 CONFIG_CAPABILITY = {
     "h200-8x": "9.0",
+    "h200-8x-bf16": "9.0",
     "h100-8x": "9.0",
     "h100-16x-2node": "9.0",
     "rtx-pro-6000-4x": "12.0",
