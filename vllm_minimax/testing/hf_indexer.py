@@ -11,6 +11,12 @@ transformers has no forced leading blocks. A case with `init_blocks = b` gives
 every query a positive first component and the keys of blocks `0..b-1` a very
 negative one, so no query would pick those blocks: transformers' top-(16 - b)
 plus blocks `0..b-1` is then the one right answer for a forced selection.
+
+A case with `page_start_keys` gives every query a positive second component and
+the first key of every block a large one, so a query on a block's first
+position scores that block as high as any full block: with no local window
+(`local_blocks = 0`) the block competes on that one key, and a causal extent
+shifted by one key (the block scored empty) changes the selection.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ BLOCK = 128
 HEAD_DIM = 128
 TOPK = 16
 REPELLING_KEY = -1000.0
+ATTRACTING_KEY = 8.0
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class StepCase:
     init_blocks: int = 0
     local_blocks: int = 1
     decode_threshold: int = 1
+    page_start_keys: bool = False
 
     @property
     def seq_lens(self) -> list[int]:
@@ -57,6 +65,10 @@ class StepCase:
             q[..., 0] = q[..., 0].abs() + 1
             for k in keys:
                 k[: self.init_blocks * BLOCK, 0] = REPELLING_KEY
+        if self.page_start_keys:
+            q[..., 1] = q[..., 1].abs() + 1
+            for k in keys:
+                k[::BLOCK, 1] = ATTRACTING_KEY
         return q.to(torch.bfloat16), [k.to(torch.bfloat16) for k in keys]
 
     def expected(self, q: torch.Tensor, keys: list[torch.Tensor]) -> torch.Tensor:
@@ -159,4 +171,21 @@ STEP_CASES = [
         decode_threshold=2,
     ),
     StepCase("prefills-from-empty", (0, 0, 0), (129, 2049, 1800)),
+    # No local window: the query's own block competes on the keys it sees.
+    StepCase(
+        "decode-block-starts-local0-h2",
+        (2048, 2176, 4096, 2047, 2049, 2304),
+        (1,) * 6,
+        heads=2,
+        local_blocks=0,
+        page_start_keys=True,
+    ),
+    StepCase(
+        "chunk-over-block-starts-local0",
+        (1990, 0),
+        (700, 2200),
+        local_blocks=0,
+        page_start_keys=True,
+    ),
+    StepCase("chunks-local0-h2", (2100, 0), (900, 2300), heads=2, local_blocks=0),
 ]
