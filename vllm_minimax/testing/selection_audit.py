@@ -46,7 +46,7 @@ from itertools import pairwise
 import torch
 
 from vllm_minimax.testing import mtp_draft, reference
-from vllm_minimax.testing.indexer_cases import (
+from vllm_minimax.testing.reference import (
     boundary_gap,
     expected_topk_values,
     value_check,
