@@ -101,6 +101,7 @@ def indexer_text_config(
     *,
     index_n_heads: int,
     index_local_blocks: int | None = 1,
+    index_init_blocks: int | None = None,
     index_topk_blocks: int = 16,
     index_head_dim: int = 128,
     index_block_size: int = 128,
@@ -108,7 +109,8 @@ def indexer_text_config(
     """A model text config with the indexer geometry as every supported vLLM reads it:
     0.34.0's flat ``index_*`` fields and 0.33.0's ``sparse_attention_config`` dict
     (``sparse_num_index_heads``, ``sparse_local_block``, ...). ``index_local_blocks=None``
-    leaves the local window out of both."""
+    leaves the local window out of both; ``index_init_blocks`` sets 0.33.0's
+    ``sparse_init_block`` (0.34.0's model reads no forced leading blocks)."""
     sparse = {
         "sparse_num_index_heads": index_n_heads,
         "sparse_topk_blocks": index_topk_blocks,
@@ -121,6 +123,8 @@ def indexer_text_config(
         "index_head_dim": index_head_dim,
         "index_block_size": index_block_size,
     }
+    if index_init_blocks is not None:
+        sparse["sparse_init_block"] = index_init_blocks
     if index_local_blocks is not None:
         sparse["sparse_local_block"] = index_local_blocks
         flat["index_local_blocks"] = index_local_blocks
