@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm_minimax.testing.scheduled_step import ScheduledStep
+
 BLOCK = 128
 HEAD_DIM = 128
 TOPK = 16
@@ -47,13 +49,16 @@ class StepCase:
     page_start_keys: bool = False
 
     @property
+    def step(self) -> ScheduledStep:
+        return ScheduledStep.of(self.context_lens, self.query_lens)
+
+    @property
     def seq_lens(self) -> list[int]:
-        return [c + q for c, q in zip(self.context_lens, self.query_lens, strict=True)]
+        return self.step.seq_lens
 
     @property
     def positions(self) -> list[int]:
-        return [p for c, q in zip(self.context_lens, self.query_lens, strict=True)
-                for p in range(c, c + q)]  # fmt: skip
+        return self.step.positions
 
     def inputs(self, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """bf16 index queries `(total_q, heads, 128)` and, per request, its keys

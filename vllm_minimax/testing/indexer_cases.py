@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_minimax.testing import reference
-from vllm_minimax.testing.patched_module import make_common_metadata
+from vllm_minimax.testing.patched_module import CommonAttentionMetadata
+from vllm_minimax.testing.scheduled_step import ScheduledStep, common_metadata, random_page_table
 
 PAGE = 128
 TOPK = 16
@@ -261,16 +262,8 @@ def make_batch(
         assert kv >= q
         query_lens.append(q)
         seq_lens.append(kv)
-    pages = [math.ceil(s / PAGE) for s in seq_lens]
-    num_pages = sum(pages) + spare_pages
-    perm = torch.randperm(num_pages, generator=g).to(torch.int32)
-    width = max(pages) + 3
-    # Padding entries hold stale (but addressable) page ids, as vLLM's do.
-    table = perm[torch.randint(0, num_pages, (len(pages), width), generator=g)]
-    off = 0
-    for r, n in enumerate(pages):
-        table[r, :n] = perm[off : off + n]
-        off += n
+    step = ScheduledStep.of([s - q for q, s in zip(query_lens, seq_lens, strict=True)], query_lens)
+    table, num_pages = random_page_table(step, g, spare_pages=spare_pages)
     dtype = torch.float8_e4m3fn if case.index_dtype == "fp8" else torch.bfloat16
     gd = torch.Generator(device=device).manual_seed(seed)
     kv_cache = torch.randn((num_pages, PAGE, 128), generator=gd, device=device).to(dtype)
@@ -280,9 +273,7 @@ def make_batch(
     ).to(dtype)
     padded = -(-total_q // 4) * 4 + 4
     topk_buffer = torch.full((padded, case.heads, TOPK), POISON, dtype=torch.int32, device=device)
-    common = make_common_metadata(
-        query_lens=query_lens, seq_lens=seq_lens, block_table=table, device=device
-    )
+    common = common_metadata(step, table, CommonAttentionMetadata, device)
     return Batch(
         case,
         seed,

@@ -11,7 +11,7 @@ from what the patch does. This module
   imports (`load_patched_module`), with the real `flashinfer.msa_ops` or any
   stand-in namespace of the two functions,
 - and builds the objects the patched code needs (`make_builder`, `make_impl`,
-  `make_common_metadata`, `forward_context`).
+  `forward_context`; `scheduled_step.common_metadata` makes the batch metadata).
 
 The stand-ins carry the same fields as vLLM 0.34.0's classes
 (`MiniMaxM3IndexerMetadataBuilder.__init__`'s buffers and
@@ -658,50 +658,3 @@ def make_impl(
             local_blocks=local_blocks,
             topk_indices_buffer=topk_indices_buffer,
         )
-
-
-def make_common_metadata(
-    *,
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_table: torch.Tensor,
-    device: torch.device | str,
-) -> CommonAttentionMetadata:
-    """What vLLM's runner hands the builders for a decode-first batch:
-    query_start_loc (GPU and CPU), seq_lens (KV length including the new
-    tokens), block table, slot mapping and positions."""
-    device = torch.device(device)
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
-    qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
-    positions = torch.cat(
-        [
-            torch.arange(s - q, s, dtype=torch.int64)
-            for q, s in zip(query_lens, seq_lens, strict=True)
-        ]
-    )
-    bt_cpu = block_table.cpu().long()
-    pages = torch.cat(
-        [
-            bt_cpu[r, positions_r // 128]
-            for r, positions_r in enumerate(_split(positions, query_lens))
-        ]
-    )
-    slot_mapping = pages * 128 + positions % 128
-    return CommonAttentionMetadata(
-        query_start_loc=qsl_cpu.to(device),
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        num_reqs=len(query_lens),
-        num_actual_tokens=qsl[-1],
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_table_tensor=block_table.to(device),
-        slot_mapping=slot_mapping.to(device),
-        positions=positions.to(device),
-    )
-
-
-def _split(t: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
-    return list(torch.split(t, lens))
