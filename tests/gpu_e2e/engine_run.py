@@ -1,7 +1,7 @@
 """One vLLM engine configuration over the end-to-end prompt set; results as JSON.
 
     python tests/gpu_e2e/engine_run.py --model DIR --backend flashinfer --kv-dtype fp8 \
-        [--graphs] [--audit] [--mtp K] --out run.json
+        [--graphs] [--audit] [--mtp K] [--fault page-count] --out run.json
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
 `--audit` can check the FlashInfer indexer's selections inside it, and name the
@@ -29,6 +29,11 @@ ascending after writing them (`triton_indexer.install_ascending_rows`, recorded 
 Hopper prefill attend sums the blocks in row order, and the Triton top-k writes them by
 descending score, so without it the two backends' prompt logprobs differ in rounding
 wherever a token has two blocks or more, whatever they selected.
+
+``--fault page-count`` makes the FlashInfer builder hand every call each token's page
+count less one (at least one page): a builder bug that never selects a token's own
+block (the window falls on the block before). The tests use that run as the control
+that each engine comparison must fail (test_engine.py, `FAULT_CONTROL`).
 
 A configuration the engine refuses at start is recorded as ``error``. Every run
 records the series applied to the vLLM it imported (``series``,
@@ -141,6 +146,8 @@ def run(args: argparse.Namespace) -> dict:
         selection_audit.install()
         selection_audit.install_triton()
         audit = selection_audit.AUDIT
+    if args.fault:
+        install_page_count_fault()
     import vllm
 
     from vllm_minimax.testing import triton_indexer
@@ -219,6 +226,23 @@ def device_capability() -> list[int] | None:
     return list(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
+def install_page_count_fault() -> None:
+    """Every FlashInfer call gets each token's page count less one (at least one)."""
+    from vllm.models.minimax_m3.nvidia.indexer_flashinfer import (
+        MiniMaxM3IndexerFlashInferMetadataBuilder as Builder,
+    )
+
+    build = Builder.build
+
+    def faulty_build(self, *args, **kwargs):
+        metadata = build(self, *args, **kwargs)
+        for call in metadata.calls:
+            call.num_valid_pages.sub_(1).clamp_(min=1)
+        return metadata
+
+    Builder.build = faulty_build
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -234,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="K",
         help="speculative decoding with the MTP draft in MODEL/mtp, K tokens a step",
+    )
+    parser.add_argument(
+        "--fault", choices=["page-count"], help="a planted builder bug, for the control run"
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     parser.add_argument("--out", type=Path, required=True)
