@@ -30,10 +30,10 @@ Hopper prefill attend sums the blocks in row order, and the Triton top-k writes 
 descending score, so without it the two backends' prompt logprobs differ in rounding
 wherever a token has two blocks or more, whatever they selected.
 
-``--fault page-count`` makes the FlashInfer builder hand every call each token's page
-count less one (at least one page): a builder bug that never selects a token's own
-block (the window falls on the block before). The tests use that run as the control
-that each engine comparison must fail (test_engine.py, `FAULT_CONTROL`).
+``--fault page-count`` plants a builder bug (`selection_fault.install_page_count_fault`:
+each token's page count less one, so its own block is never selected). The tests use
+that run as the control that each engine comparison must fail (test_engine.py,
+`FAULT_CONTROL`).
 
 A configuration the engine refuses at start is recorded as ``error``. Every run
 records the series applied to the vLLM it imported (``series``,
@@ -147,6 +147,8 @@ def run(args: argparse.Namespace) -> dict:
         selection_audit.install_triton()
         audit = selection_audit.AUDIT
     if args.fault:
+        from vllm_minimax.testing.selection_fault import install_page_count_fault
+
         install_page_count_fault()
     import vllm
 
@@ -224,23 +226,6 @@ def device_capability() -> list[int] | None:
     import torch
 
     return list(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
-
-
-def install_page_count_fault() -> None:
-    """Every FlashInfer call gets each token's page count less one (at least one)."""
-    from vllm.models.minimax_m3.nvidia.indexer_flashinfer import (
-        MiniMaxM3IndexerFlashInferMetadataBuilder as Builder,
-    )
-
-    build = Builder.build
-
-    def faulty_build(self, *args, **kwargs):
-        metadata = build(self, *args, **kwargs)
-        for call in metadata.calls:
-            call.num_valid_pages.sub_(1).clamp_(min=1)
-        return metadata
-
-    Builder.build = faulty_build
 
 
 def main(argv: list[str] | None = None) -> int:

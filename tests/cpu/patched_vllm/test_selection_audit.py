@@ -18,7 +18,7 @@ import torch
 from indexer_helpers import bind_cache, make_batch, make_builder, make_impl, run_forward
 from vllm.models.minimax_m3.nvidia import indexer_flashinfer as fi_mod
 
-from vllm_minimax.testing import selection_audit
+from vllm_minimax.testing import selection_audit, selection_fault
 
 pytestmark = pytest.mark.usefixtures("single_rank")
 
@@ -148,3 +148,17 @@ def test_rows_at_the_recorded_positions_are_kept_whole(monkeypatch, audit):
     assert [row[6:] for row in rows] == [sorted(b for b in w if b >= 0) for w in written]
     # 17 blocks, the last forced: 15 of 16 kept on their score, random keys leave a gap.
     assert all(len(row[6:]) == 16 and 0 < row[5] < float("inf") for row in rows)
+
+
+def test_the_end_to_end_control_runs_fault_is_a_wrong_selection(monkeypatch, audit):
+    """`engine_run.py --fault page-count` (the control every engine comparison must fail)
+    plants a real fault: the audit finds wrong rows on both sides of a mixed step."""
+    restore = selection_fault.install_page_count_fault()
+    try:
+        impl, md, index_query, _ = _step(MIXED)
+        run_forward(monkeypatch, impl, md, index_query)
+    finally:
+        restore()
+    kinds = audit.summary()["by_kind"]
+    for side in ("mixed-decode", "mixed-prefill"):
+        assert kinds[side]["problems"], kinds
