@@ -71,7 +71,7 @@ def test_one_wrong_block_is_caught(monkeypatch, kernels, audit):
 
     def off_by_one_block(max_score, topk, *, output, **kw):
         real_topk(max_score, topk, output=output, **kw)
-        row = output[-1, 0]  # the prefill's last token: 6 pages of context, 6 selected
+        row = output[-1, 0]  # the prefill's last token: position 2048, 16 of 17 pages
         row[0] = 0 if row[0] != 0 else -1  # replaces or drops a block
         return output
 
