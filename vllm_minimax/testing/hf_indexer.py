@@ -179,8 +179,8 @@ STEP_CASES = [
     # No local window: the query's own block competes on the keys it sees.
     StepCase(
         "decode-block-starts-local0-h2",
-        (2048, 2176, 4096, 2047, 2049, 2304),
-        (1,) * 6,
+        (2048, 2176, 2304, 2049),
+        (1,) * 4,
         heads=2,
         local_blocks=0,
         page_start_keys=True,
@@ -192,5 +192,5 @@ STEP_CASES = [
         local_blocks=0,
         page_start_keys=True,
     ),
-    StepCase("chunks-local0-h2", (2100, 0), (900, 2300), heads=2, local_blocks=0),
+    StepCase("chunk-local0-h2", (2100,), (500,), heads=2, local_blocks=0),
 ]
