@@ -36,12 +36,14 @@ import torch
 from vllm_minimax.testing import patched_module as pm
 from vllm_minimax.testing.indexer_cases import (
     cases_for_bench,
-    expected_topk_values,
     forced_counts,
     make_batch,
     normalize_selection,
     patched_run,
     reference_scores,
+)
+from vllm_minimax.testing.reference import (
+    expected_topk_values,
     value_check,
 )
 from vllm_minimax.testing.triton_indexer import (

@@ -157,3 +157,45 @@ def test_an_unexplained_early_parting_fails(tmp_path, case):
         runs["triton-eager"].data["audit"]["request_extents"].reverse()
     with pytest.raises(AssertionError):
         check(runs, tmp_path)
+
+
+def decode_run(name: str, tokens_and_tops: list[list[tuple[int, list[tuple[int, float]]]]]) -> Run:
+    """A run of one workload ("long") whose requests decode the given steps (sampled token,
+    its top two with logprobs); the other workload is empty."""
+    requests = [
+        {"prompt_tokens": 3000, "prompt_logprobs": [None], "token_ids": [t for t, _ in steps],
+         "steps": [{"token": t, "top": top} for t, top in steps]}
+        for steps in tokens_and_tops
+    ]  # fmt: skip
+    return Run(name, {"workloads": {"long": {"requests": requests}, "mixed": {"requests": []}}})
+
+
+def greedy_pair(gap_at_parting: float, delta: float) -> dict:
+    """Triton decodes 0, 0, 0; the other run agrees for two steps (its logprobs off by
+    `delta`), then picks token 1 where Triton's top two lay `gap_at_parting` apart."""
+    triton = [(0, [(0, -0.1), (1, -0.1 - gap_at_parting)])] * 3
+    other = [(0, [(0, -0.1 - delta), (1, -2.0)])] * 2 + [(1, [(1, -0.1), (0, -0.2)])]
+    return {
+        "flashinfer": decode_run("flashinfer", [other]),
+        "triton": decode_run("triton", [triton]),
+    }
+
+
+@pytest.mark.parametrize(("gap", "parts_wide"), [(0.5, False), (0.75, False), (0.76, True)])
+def test_greedy_check_fails_a_parting_past_the_bound(gap, parts_wide):
+    report = test_engine.greedy_report(greedy_pair(gap, 0.01), "flashinfer", "triton")
+    assert report == [{"request": 0, "tokens": 3, "parted_at": 2, "triton_top2_gap": gap}]
+    violations = test_engine.greedy_violations(report, test_engine.GREEDY_PART_TOL)
+    assert bool(violations) is parts_wide
+
+
+@pytest.mark.parametrize(
+    ("delta", "broken"),
+    [(0.01, []), (0.02, ["mean"]), (0.8, ["mean", "max"])],
+)
+def test_decode_bounds_fail_a_pair_past_them(delta, broken):
+    stats = test_engine.decode_comparison(greedy_pair(0.1, delta), "flashinfer", "triton")
+    assert (stats["steps"], stats["compared"]) == (3, 2)
+    assert stats["mean"] == pytest.approx(delta) and stats["max"] == pytest.approx(delta)
+    violations = test_engine.sampled_violations(stats)
+    assert [v.split()[0] for v in violations] == broken, violations

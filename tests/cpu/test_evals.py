@@ -23,7 +23,7 @@ import yaml
 from patchset_helpers import REPO_ROOT, build_and_unpack_wheel
 
 from vllm_minimax.cli import main
-from vllm_minimax.evals import ab, accuracy, presets, report
+from vllm_minimax.evals import ab, accuracy, presets, report, throughput
 from vllm_minimax.evals.accuracy import Score, compare
 from vllm_minimax.evals.common import EvalError
 from vllm_minimax.evals.server import ServerError, VllmServer, free_port, process_group_alive
@@ -777,6 +777,91 @@ def test_ab_report_gives_median_spread_and_paired_ratios():
     assert "**Not measured:** `a` decode: c=4 round 2, c=4 round 3;" in text
     assert "`b` decode: c=4 round 1, c=4 round 2, c=4 round 3" in text
     assert "Round order: 1: a then b; 2: b then a; 3: a then b." in text
+
+
+def test_ab_ratios_pair_levels_by_round_not_by_list_position():
+    """Arm `b` misses round 1 and lists its rounds out of order: each ratio still divides
+    b's tok/s by a's of the same round."""
+    a = [level(1, r, v) for r, v in enumerate((100.0, 200.0, 400.0))]
+    b = [level(1, 2, 500.0), level(1, 1, 220.0)]
+    ratios = report.paired_ratios(ab_record(a, b)["arms"][1], ab_record(a, b)["arms"][0], 0, 1)
+    # round 2: 500 / 400 = 1.25; round 1: 220 / 200 = 1.10 (by position: 5.0 and 1.1)
+    assert ratios is not None
+    assert (ratios.median, ratios.low, ratios.high) == pytest.approx((1.175, 1.10, 1.25))
+    text = report.ab_markdown(ab_record(a, b), [])
+    assert "| 1.18x (1.10..1.25) |" in text
+
+
+def three_arm_record() -> dict:
+    """Arms a (the first, so the reference), b and c, one round, with one accuracy score
+    each: b's tok/s is twice a's, c's half, and c's score is far from a's and close to b's."""
+    record = ab_record([level(1, 0, 100.0)], [level(1, 0, 200.0)], repeat=1)
+    third = json.loads(json.dumps(record["arms"][1]))
+    third["name"] = "c"
+    third["throughput"]["scenarios"][0]["levels"] = [level(1, 0, 50.0)]
+    record["arms"].append(third)
+    record["round_order"] = [["a", "b", "c"]]
+    for arm, value in zip(record["arms"], (0.50, 0.90, 0.91), strict=True):
+        arm["accuracy"] = {
+            "scores": [{"task": "t", "metric": "m", "value": value, "stderr": 0.01,
+                        "samples": 100}]
+        }  # fmt: skip
+    return record
+
+
+def test_ab_compares_every_arm_with_the_first(tmp_path):
+    """The first arm is the reference: accuracy (values, differences, pass) and the tok/s
+    ratios are each other arm's against it, and the report names it so."""
+    record = ab.write_outputs(three_arm_record(), tmp_path)
+    comparisons = record["accuracy_comparisons"]
+    assert sorted(comparisons) == ["b", "c"]
+    for name, value in (("b", 0.90), ("c", 0.91)):
+        [entry] = comparisons[name]
+        assert (entry["baseline"], entry["value"]) == (0.50, value)
+        assert entry["difference"] == pytest.approx(value - 0.50)
+        assert entry["passed"] is False
+    assert record["accuracy_passed"] is False
+    text = (tmp_path / "report.md").read_text()
+    assert "## Accuracy (each arm against `a`, first round only)" in text
+    assert "### `b` vs `a`" in text and "### `c` vs `a`" in text
+    assert "| t | `m` | 0.5000 ± 0.0100 | 0.9100 ± 0.0100 | 0.4100 |" in text
+    header = next(line for line in text.splitlines() if line.startswith("| concurrency |"))
+    assert header.endswith("| b / a tok/s | c / a tok/s |"), header
+    row = next(line for line in text.splitlines() if line.startswith("| 1 |"))
+    assert row.endswith("| 2.00x | 0.50x |"), row
+
+
+def test_percentile_interpolates_linearly_between_closest_ranks():
+    values = [10.0, 1.0, 4.0, 3.0, 2.0]  # unsorted on purpose
+    # Sorted 1, 2, 3, 4, 10: the q-th percentile sits at rank (5 - 1) * q / 100.
+    assert throughput.percentile(values, 50) == 3.0
+    assert throughput.percentile(values, 90) == pytest.approx(4.0 + 0.6 * 6.0)  # rank 3.6
+    assert throughput.percentile(values, 99) == pytest.approx(4.0 + 0.96 * 6.0)  # rank 3.96
+    assert throughput.percentile(values, 0) == 1.0 and throughput.percentile(values, 100) == 10.0
+    assert throughput.percentile([7.0], 99) == 7.0
+    assert math.isnan(throughput.percentile([], 50))
+    import numpy
+
+    rng = numpy.random.default_rng(46)
+    for size in (2, 3, 10, 101):
+        sample = rng.exponential(size=size).tolist()
+        for q in (50, 90, 99):
+            assert throughput.percentile(sample, q) == pytest.approx(numpy.percentile(sample, q))
+
+
+def test_level_metrics_tpot_divides_the_decode_time_by_the_tokens_after_the_first():
+    timings = [
+        throughput.RequestTiming(8, 5, ttft_s=0.1, latency_s=0.5, itl_s=[0.1] * 4),  # 100 ms
+        throughput.RequestTiming(8, 3, ttft_s=0.05, latency_s=0.45, itl_s=[0.2] * 2),  # 200 ms
+        throughput.RequestTiming(8, 1, ttft_s=0.3, latency_s=0.3),  # one token: no TPOT
+    ]
+    metrics = throughput.level_metrics(timings, duration_s=2.0)
+    tpot = metrics["tpot_ms"]
+    assert tpot["mean"] == pytest.approx(150.0)
+    assert (tpot["p50"], tpot["p90"], tpot["p99"]) == pytest.approx((150.0, 190.0, 199.0))
+    assert metrics["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert metrics["output_tokens"] == 9 and metrics["output_tokens_per_s"] == 4.5
+    assert metrics["e2e_latency_ms"]["mean"] == pytest.approx(1250.0 / 3)
 
 
 def test_ab_plots_start_at_zero_and_skip_an_all_zero_accuracy(tmp_path):

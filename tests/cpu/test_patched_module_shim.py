@@ -11,12 +11,14 @@ from vllm_minimax.testing import patched_module as pm
 from vllm_minimax.testing import reference
 from vllm_minimax.testing.indexer_cases import (
     IndexerCase,
-    boundary_gap,
-    expected_topk_values,
     forced_counts,
     make_batch,
     patched_run,
     reference_scores,
+)
+from vllm_minimax.testing.reference import (
+    boundary_gap,
+    expected_topk_values,
     untied_exact_check,
     value_check,
     vector_invariants,

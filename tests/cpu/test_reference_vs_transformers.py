@@ -14,6 +14,7 @@ from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VL
 
 from vllm_minimax.testing import reference
 from vllm_minimax.testing.hf_indexer import STEP_CASES, StepCase
+from vllm_minimax.testing.scheduled_step import ScheduledStep, random_page_table, write_keys
 
 BLOCK = 128
 
@@ -33,15 +34,13 @@ def tiny_config(index_heads: int, local_blocks: int) -> MiniMaxM3VLTextConfig:
     )
 
 
-def paged(keys: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scatter `(seq, 128)` keys into a shuffled one-head page pool."""
-    num_pages = -(-keys.shape[0] // BLOCK)
-    pool_size = num_pages + 7
-    page_ids = torch.randperm(pool_size, generator=generator)[:num_pages]
-    pool = torch.randn(pool_size, 1, BLOCK, 128, generator=generator)  # garbage elsewhere
-    padded = torch.nn.functional.pad(keys, (0, 0, 0, num_pages * BLOCK - keys.shape[0]))
-    pool[page_ids, 0] = padded.view(num_pages, BLOCK, 128)
-    return pool, page_ids[None].to(torch.int32)
+def paged(keys: list[torch.Tensor], step: ScheduledStep, generator: torch.Generator):
+    """Each request's `(seq, 128)` keys in its pages of a shuffled one-head page pool
+    (random keys elsewhere); the pool and the page table."""
+    table, pool_size = random_page_table(step, generator)
+    pool = torch.randn(pool_size, 1, BLOCK, 128, generator=generator)
+    write_keys(pool, table, keys)
+    return pool, table
 
 
 @pytest.mark.parametrize(("seq_len", "index_heads", "local_blocks"), [(2700, 1, 1), (3001, 2, 2)])
@@ -58,7 +57,7 @@ def test_reference_selects_what_transformers_selects(seq_len, index_heads, local
         idx_q = indexer.q_norm(indexer.q_proj(hidden).view(1, seq_len, index_heads, 128))[0]
         idx_k = indexer.k_norm(indexer.k_proj(hidden).view(1, seq_len, 1, 128))[0, :, 0]
 
-    pool, page_table = paged(idx_k, generator)
+    pool, page_table = paged([idx_k], ScheduledStep((0,), (seq_len,)), generator)
     num_tiles = -(-seq_len // BLOCK)
     scores = reference.proxy_score(
         idx_q,
@@ -113,13 +112,7 @@ def test_reference_selects_what_transformers_selects_on_a_step(case: StepCase):
     q, keys = case.inputs(seed=len(case.name))
     theirs = case.expected(q, keys)
     generator = torch.Generator().manual_seed(7)
-    pages = [paged(k.float(), generator) for k in keys]
-    pool = torch.cat([pool for pool, _ in pages])
-    offsets = torch.tensor([0, *[pool.shape[0] for pool, _ in pages]]).cumsum(0)
-    width = max(table.shape[1] for _, table in pages)
-    page_table = torch.zeros(len(pages), width, dtype=torch.int32)
-    for row, ((_, table), offset) in enumerate(zip(pages, offsets.tolist(), strict=False)):
-        page_table[row, : table.shape[1]] = table[0] + offset
+    pool, page_table = paged([k.float() for k in keys], case.step, generator)
     cu_seqlens_q = torch.tensor([0, *case.query_lens]).cumsum(0)
     scores = reference.proxy_score(
         q.float(),

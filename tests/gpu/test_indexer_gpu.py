@@ -30,13 +30,15 @@ from vllm_minimax.testing import reference
 from vllm_minimax.testing.indexer_cases import (
     TOPK,
     cases_for_tests,
-    expected_topk_values,
     forced_counts,
     make_batch,
     normalize_selection,
     patched_run,
     reference_scores,
     reference_subsample,
+)
+from vllm_minimax.testing.reference import (
+    expected_topk_values,
     selection_values,
     untied_exact_check,
     value_check,

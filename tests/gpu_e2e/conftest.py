@@ -61,6 +61,7 @@ class EngineRun:
     graphs: bool = False
     audit: bool = False
     mtp: int = 0  # speculated tokens a step with the MTP draft (0: no speculation)
+    fault: str = ""  # engine_run.py --fault: a planted bug, for a control run
 
 
 ENGINE_RUNS = {
@@ -74,6 +75,7 @@ ENGINE_RUNS = {
     "mtp-flashinfer-eager": EngineRun("flashinfer", audit=True, mtp=E2E_MTP_TOKENS),
     "mtp-triton-graphs": EngineRun("triton", graphs=True, mtp=E2E_MTP_TOKENS),
     "mtp-flashinfer-graphs": EngineRun("flashinfer", graphs=True, audit=True, mtp=E2E_MTP_TOKENS),
+    "page-count-fault-flashinfer-eager": EngineRun("flashinfer", fault="page-count"),
 }
 
 
@@ -135,6 +137,7 @@ def _run_engine(name: str, run: EngineRun, model: Path, out_dir: Path) -> Engine
         ]
         cmd += ["--graphs"] * run.graphs + ["--audit"] * run.audit
         cmd += [f"--mtp={run.mtp}"] * bool(run.mtp)
+        cmd += [f"--fault={run.fault}"] * bool(run.fault)
         began = time.perf_counter()
         with log.open("w") as handle:
             subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, timeout=900, check=False)

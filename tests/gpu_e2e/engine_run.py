@@ -1,7 +1,7 @@
 """One vLLM engine configuration over the end-to-end prompt set; results as JSON.
 
     python tests/gpu_e2e/engine_run.py --model DIR --backend flashinfer --kv-dtype fp8 \
-        [--graphs] [--audit] [--mtp K] --out run.json
+        [--graphs] [--audit] [--mtp K] [--fault page-count] --out run.json
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
 `--audit` can check the FlashInfer indexer's selections inside it, and name the
@@ -29,6 +29,11 @@ ascending after writing them (`triton_indexer.install_ascending_rows`, recorded 
 Hopper prefill attend sums the blocks in row order, and the Triton top-k writes them by
 descending score, so without it the two backends' prompt logprobs differ in rounding
 wherever a token has two blocks or more, whatever they selected.
+
+``--fault page-count`` plants a builder bug (`selection_fault.install_page_count_fault`:
+each token's page count less one, so its own block is never selected). The tests use
+that run as the control that each engine comparison must fail (test_engine.py,
+`FAULT_CONTROL`).
 
 A configuration the engine refuses at start is recorded as ``error``. Every run
 records the series applied to the vLLM it imported (``series``,
@@ -141,6 +146,10 @@ def run(args: argparse.Namespace) -> dict:
         selection_audit.install()
         selection_audit.install_triton()
         audit = selection_audit.AUDIT
+    if args.fault:
+        from vllm_minimax.testing.selection_fault import install_page_count_fault
+
+        install_page_count_fault()
     import vllm
 
     from vllm_minimax.testing import triton_indexer
@@ -234,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         metavar="K",
         help="speculative decoding with the MTP draft in MODEL/mtp, K tokens a step",
+    )
+    parser.add_argument(
+        "--fault", choices=["page-count"], help="a planted builder bug, for the control run"
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     parser.add_argument("--out", type=Path, required=True)

@@ -11,6 +11,12 @@ transformers has no forced leading blocks. A case with `init_blocks = b` gives
 every query a positive first component and the keys of blocks `0..b-1` a very
 negative one, so no query would pick those blocks: transformers' top-(16 - b)
 plus blocks `0..b-1` is then the one right answer for a forced selection.
+
+A case with `page_start_keys` gives every query a positive second component and
+the first key of every block a large one, so a query on a block's first
+position scores that block as high as any full block: with no local window
+(`local_blocks = 0`) the block competes on that one key, and a causal extent
+shifted by one key (the block scored empty) changes the selection.
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm_minimax.testing.scheduled_step import ScheduledStep
+
 BLOCK = 128
 HEAD_DIM = 128
 TOPK = 16
 REPELLING_KEY = -1000.0
+ATTRACTING_KEY = 8.0
 
 
 @dataclass(frozen=True)
@@ -37,15 +46,19 @@ class StepCase:
     init_blocks: int = 0
     local_blocks: int = 1
     decode_threshold: int = 1
+    page_start_keys: bool = False
+
+    @property
+    def step(self) -> ScheduledStep:
+        return ScheduledStep.of(self.context_lens, self.query_lens)
 
     @property
     def seq_lens(self) -> list[int]:
-        return [c + q for c, q in zip(self.context_lens, self.query_lens, strict=True)]
+        return self.step.seq_lens
 
     @property
     def positions(self) -> list[int]:
-        return [p for c, q in zip(self.context_lens, self.query_lens, strict=True)
-                for p in range(c, c + q)]  # fmt: skip
+        return self.step.positions
 
     def inputs(self, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """bf16 index queries `(total_q, heads, 128)` and, per request, its keys
@@ -57,6 +70,10 @@ class StepCase:
             q[..., 0] = q[..., 0].abs() + 1
             for k in keys:
                 k[: self.init_blocks * BLOCK, 0] = REPELLING_KEY
+        if self.page_start_keys:
+            q[..., 1] = q[..., 1].abs() + 1
+            for k in keys:
+                k[::BLOCK, 1] = ATTRACTING_KEY
         return q.to(torch.bfloat16), [k.to(torch.bfloat16) for k in keys]
 
     def expected(self, q: torch.Tensor, keys: list[torch.Tensor]) -> torch.Tensor:
@@ -159,4 +176,21 @@ STEP_CASES = [
         decode_threshold=2,
     ),
     StepCase("prefills-from-empty", (0, 0, 0), (129, 2049, 1800)),
+    # No local window: the query's own block competes on the keys it sees.
+    StepCase(
+        "decode-block-starts-local0-h2",
+        (2048, 2176, 2304, 2049),
+        (1,) * 4,
+        heads=2,
+        local_blocks=0,
+        page_start_keys=True,
+    ),
+    StepCase(
+        "chunk-over-block-starts-local0",
+        (1990, 0),
+        (700, 2200),
+        local_blocks=0,
+        page_start_keys=True,
+    ),
+    StepCase("chunk-local0-h2", (2100,), (500,), heads=2, local_blocks=0),
 ]

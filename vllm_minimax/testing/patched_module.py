@@ -11,7 +11,7 @@ from what the patch does. This module
   imports (`load_patched_module`), with the real `flashinfer.msa_ops` or any
   stand-in namespace of the two functions,
 - and builds the objects the patched code needs (`make_builder`, `make_impl`,
-  `make_common_metadata`, `forward_context`).
+  `forward_context`; `scheduled_step.common_metadata` makes the batch metadata).
 
 The stand-ins carry the same fields as vLLM 0.34.0's classes
 (`MiniMaxM3IndexerMetadataBuilder.__init__`'s buffers and
@@ -104,6 +104,7 @@ def indexer_text_config(
     *,
     index_n_heads: int,
     index_local_blocks: int | None = 1,
+    index_init_blocks: int | None = None,
     index_topk_blocks: int = 16,
     index_head_dim: int = 128,
     index_block_size: int = 128,
@@ -111,7 +112,8 @@ def indexer_text_config(
     """A model text config with the indexer geometry as every supported vLLM reads it:
     0.34.0's flat ``index_*`` fields and 0.33.0's ``sparse_attention_config`` dict
     (``sparse_num_index_heads``, ``sparse_local_block``, ...). ``index_local_blocks=None``
-    leaves the local window out of both."""
+    leaves the local window out of both; ``index_init_blocks`` sets 0.33.0's
+    ``sparse_init_block`` (0.34.0's model reads no forced leading blocks)."""
     sparse = {
         "sparse_num_index_heads": index_n_heads,
         "sparse_topk_blocks": index_topk_blocks,
@@ -124,6 +126,8 @@ def indexer_text_config(
         "index_head_dim": index_head_dim,
         "index_block_size": index_block_size,
     }
+    if index_init_blocks is not None:
+        sparse["sparse_init_block"] = index_init_blocks
     if index_local_blocks is not None:
         sparse["sparse_local_block"] = index_local_blocks
         flat["index_local_blocks"] = index_local_blocks
@@ -689,50 +693,3 @@ def make_impl(
             local_blocks=local_blocks,
             topk_indices_buffer=topk_indices_buffer,
         )
-
-
-def make_common_metadata(
-    *,
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_table: torch.Tensor,
-    device: torch.device | str,
-) -> CommonAttentionMetadata:
-    """What vLLM's runner hands the builders for a decode-first batch:
-    query_start_loc (GPU and CPU), seq_lens (KV length including the new
-    tokens), block table, slot mapping and positions."""
-    device = torch.device(device)
-    qsl = [0]
-    for n in query_lens:
-        qsl.append(qsl[-1] + n)
-    qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
-    positions = torch.cat(
-        [
-            torch.arange(s - q, s, dtype=torch.int64)
-            for q, s in zip(query_lens, seq_lens, strict=True)
-        ]
-    )
-    bt_cpu = block_table.cpu().long()
-    pages = torch.cat(
-        [
-            bt_cpu[r, positions_r // 128]
-            for r, positions_r in enumerate(_split(positions, query_lens))
-        ]
-    )
-    slot_mapping = pages * 128 + positions % 128
-    return CommonAttentionMetadata(
-        query_start_loc=qsl_cpu.to(device),
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        num_reqs=len(query_lens),
-        num_actual_tokens=qsl[-1],
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_table_tensor=block_table.to(device),
-        slot_mapping=slot_mapping.to(device),
-        positions=positions.to(device),
-    )
-
-
-def _split(t: torch.Tensor, lens: list[int]) -> list[torch.Tensor]:
-    return list(torch.split(t, lens))

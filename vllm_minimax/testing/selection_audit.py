@@ -8,13 +8,13 @@ each proxy-score + top-k call of the step is recomputed with the float32
 reference from the engine's own inputs, not the builder's: the requests the
 call's token range covers in the engine's `query_start_loc`, their rows of the
 engine's block table and their `seq_lens`, each token's page count from the
-engine's `positions`, and the forced regions from the impl's `init_blocks` and
-the model config's local window, read as the release's model reads it
-(`model_local_blocks`). The shared top-k buffer is checked
-against it on every row: the selection invariants, and the selected blocks'
+engine's `positions`, and the forced regions from the model config, read as the
+release's model reads it (`model_init_blocks`, `model_local_blocks`). The shared
+top-k buffer is checked against it on every row: the selection invariants, and the selected blocks'
 reference scores equal to the reference top-k scores (a multiset, so two
 selections that pass differ only by tied scores). A builder that mis-slices the
-page table, shifts the page counts or takes another window fails the audit.
+page table or shifts the page counts, or an impl that forces other leading blocks or
+another window than the model config's, fails the audit.
 
 Kinds are `decode`, `prefill`, or `mixed-` either in a step with both; an MTP
 draft's layers (`mtp_draft`) count as `draft-` kinds. Decode calls also count
@@ -47,7 +47,7 @@ from itertools import pairwise
 import torch
 
 from vllm_minimax.testing import mtp_draft, reference
-from vllm_minimax.testing.indexer_cases import (
+from vllm_minimax.testing.reference import (
     boundary_gap,
     expected_topk_values,
     value_check,
@@ -169,6 +169,7 @@ class EngineStep:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     positions: torch.Tensor
+    init_blocks: int
     local_blocks: int
     # Per request, its `RequestOrder` number: set by the step's first audited forward
     # of a target layer (`numbered`), so that an MTP draft's builds of the same step
@@ -187,6 +188,7 @@ class EngineStep:
             seq_lens=common.seq_lens[:n].cpu().clone(),
             block_table=common.block_table_tensor[:n].clone(),
             positions=common.positions[: common.num_actual_tokens].cpu().clone(),
+            init_blocks=model_init_blocks(text_config, vllm.__version__),
             local_blocks=model_local_blocks(text_config, vllm.__version__),
         )
 
@@ -213,6 +215,15 @@ class EngineStep:
         return first, bisect.bisect_left(qsl, token_end)
 
 
+def model_init_blocks(text_config, vllm_version: str) -> int:
+    """The forced leading blocks, read from the model config the way that release's MiniMax
+    M3 reads it: vLLM 0.33.0 from `sparse_attention_config`'s `sparse_init_block` (0 when
+    absent); later releases' model passes none to the indexer (0)."""
+    if vllm_version == "0.33.0":
+        return int(text_config.sparse_attention_config.get("sparse_init_block", 0))
+    return 0
+
+
 def model_local_blocks(text_config, vllm_version: str) -> int:
     """The trailing local window, in blocks, read from the model config the way that
     release's MiniMax M3 reads it: vLLM 0.33.0 from `sparse_attention_config`'s
@@ -236,8 +247,8 @@ def _record_step(metadata, step: EngineStep) -> None:
 
 def _forced_regions(impl, step: EngineStep) -> tuple[int, int]:
     """The contract's forced leading and trailing block counts (the reference functions
-    clamp them per token): the impl's `init_blocks`, the model config's window."""
-    force_begin = min(impl.init_blocks, impl.topk_blocks)
+    clamp them per token), from the model config."""
+    force_begin = min(step.init_blocks, impl.topk_blocks)
     return force_begin, min(step.local_blocks, impl.topk_blocks - force_begin)
 
 

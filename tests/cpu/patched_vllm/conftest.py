@@ -97,3 +97,25 @@ def cpu_workspace():
     workspace.init_workspace_manager(torch.device("cpu"))
     yield workspace.current_workspace_manager()
     workspace.reset_workspace_manager()
+
+
+@pytest.fixture
+def single_rank(monkeypatch):
+    """The MiniMax M3 indexer on a single tensor-parallel rank (modules that need it use
+    `pytestmark = pytest.mark.usefixtures("single_rank")`)."""
+    from vllm.models.minimax_m3.common import indexer
+
+    monkeypatch.setattr(indexer, "get_tensor_model_parallel_world_size", lambda: 1)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """FlashInfer's msa_proxy_score and msa_topk_select, in the patched FlashInfer indexer,
+    replaced by the float32 reference (`indexer_helpers.ReferenceKernels`)."""
+    from indexer_helpers import ReferenceKernels
+    from vllm.models.minimax_m3.nvidia import indexer_flashinfer
+
+    fake = ReferenceKernels()
+    monkeypatch.setattr(indexer_flashinfer, "msa_proxy_score", fake.msa_proxy_score)
+    monkeypatch.setattr(indexer_flashinfer, "msa_topk_select", fake.msa_topk_select)
+    return fake

@@ -10,62 +10,24 @@ raw batch, not from the metadata.
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
 
 import pytest
 import torch
-from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-from vllm.models.minimax_m3.common import indexer as indexer_mod
+from indexer_helpers import (
+    PAGE,
+    POISON,
+    Batch,
+    expected_selection,
+    make_batch,
+    make_builder,
+    make_impl,
+    run_forward,
+)
 from vllm.models.minimax_m3.nvidia import indexer_flashinfer as fi_mod
-from vllm.v1.attention.backend import CommonAttentionMetadata
 
 from vllm_minimax.testing import reference
-from vllm_minimax.testing.patched_module import indexer_text_config
 
-PAGE = 128
-POISON = -7
-MAX_TOKENS = 4096
-
-
-@dataclass
-class Batch:
-    """A scheduled step: per request, tokens already cached and tokens now."""
-
-    context_lens: list[int]
-    query_lens: list[int]
-    metadata: CommonAttentionMetadata
-    positions: list[int]
-    num_pages: int
-
-    @property
-    def seq_lens(self) -> list[int]:
-        return [c + q for c, q in zip(self.context_lens, self.query_lens, strict=True)]
-
-
-def make_batch(context_lens: list[int], query_lens: list[int]) -> Batch:
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    max_pages = max(-(-s // PAGE) for s in seq_lens) + 3
-    # A shuffled pool with spare pages: page tables are random and non-contiguous.
-    num_pages = len(seq_lens) * max_pages + 17
-    pages = torch.randperm(num_pages)[: len(seq_lens) * max_pages].view(len(seq_lens), max_pages)
-    query_start = [0]
-    for q in query_lens:
-        query_start.append(query_start[-1] + q)
-    positions = [p for c, q in zip(context_lens, query_lens, strict=True) for p in range(c, c + q)]
-    qsl = torch.tensor(query_start, dtype=torch.int32)
-    metadata = CommonAttentionMetadata(
-        query_start_loc=qsl.clone(),
-        query_start_loc_cpu=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        num_reqs=len(seq_lens),
-        num_actual_tokens=query_start[-1],
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_table_tensor=pages.to(torch.int32),
-        slot_mapping=torch.zeros(query_start[-1], dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-    )
-    return Batch(context_lens, query_lens, metadata, positions, num_pages)
+pytestmark = pytest.mark.usefixtures("single_rank")
 
 
 BATCHES = {
@@ -99,42 +61,6 @@ def expected_split(batch: Batch, threshold: int) -> tuple[int, int, int, int]:
         decode_tokens,
         sum(batch.query_lens) - decode_tokens,
     )
-
-
-@pytest.fixture(autouse=True)
-def single_rank(monkeypatch):
-    monkeypatch.setattr(indexer_mod, "get_tensor_model_parallel_world_size", lambda: 1)
-
-
-def builder_config(index_heads: int = 1, local_blocks: int = 1) -> types.SimpleNamespace:
-    """The parts of a `VllmConfig` the indexer builders read."""
-    text_config = indexer_text_config(index_n_heads=index_heads, index_local_blocks=local_blocks)
-    return types.SimpleNamespace(
-        model_config=types.SimpleNamespace(
-            hf_config=types.SimpleNamespace(text_config=text_config)
-        ),
-        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=MAX_TOKENS),
-        speculative_config=None,
-        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1),
-    )
-
-
-def make_builder(
-    index_heads: int = 1,
-    local_blocks: int = 1,
-    threshold: int = 1,
-    builder_cls=fi_mod.MiniMaxM3IndexerFlashInferMetadataBuilder,
-):
-    builder = builder_cls(
-        kv_cache_spec=types.SimpleNamespace(block_size=PAGE),
-        layer_names=["l"],
-        vllm_config=builder_config(index_heads, local_blocks),
-        device=torch.device("cpu"),
-    )
-    # What _init_reorder_batch_threshold sets from a speculative config with
-    # threshold - 1 speculative tokens.
-    builder.reorder_batch_threshold = threshold
-    return builder
 
 
 @pytest.mark.parametrize("name", BATCHES)
@@ -228,120 +154,6 @@ def test_full_graph_decode_reads_only_stable_buffers(query_len):
     assert graph_call.seqused_k.tolist() == replay.seq_lens
 
 
-class ReferenceKernels:
-    """msa_proxy_score / msa_topk_select stand-ins: FlashInfer's argument checks,
-    then the float32 reference. Records what the impl passed."""
-
-    def __init__(self) -> None:
-        self.proxy_calls: list[dict] = []
-        self.topk_calls: list[dict] = []
-
-    def msa_proxy_score(self, q, k, cu_seqlens_q, *, page_table, seqused_k, causal,
-                        max_seqlen_q, max_k_tiles, output):  # fmt: skip
-        assert causal is True
-        assert q.ndim == 3 and q.shape[2] == 128 and k.shape[1:] == (1, PAGE, 128)
-        if q.dtype == torch.float8_e4m3fn:
-            assert k.dtype == torch.float8_e4m3fn, "fp8 q requires fp8 k"
-        for t in (cu_seqlens_q, page_table, seqused_k):
-            assert t.dtype == torch.int32
-        self.proxy_calls.append(
-            dict(
-                q=q,
-                max_seqlen_q=max_seqlen_q,
-                max_k_tiles=max_k_tiles,
-                storage=q.untyped_storage().nbytes(),
-            )
-        )
-        return output.copy_(
-            reference.proxy_score(
-                q,
-                k,
-                cu_seqlens_q,
-                page_table=page_table,
-                seqused_k=seqused_k,
-                max_k_tiles=max_k_tiles,
-            )
-        )
-
-    def msa_topk_select(self, max_score, topk, *, num_valid_pages, force_begin_blocks,
-                        force_end_blocks, output):  # fmt: skip
-        heads, _, total_q = max_score.shape
-        assert topk == 16 and max_score.dtype == torch.float32 and max_score.is_contiguous()
-        assert num_valid_pages.dtype == torch.int32 and num_valid_pages.shape == (total_q,)
-        assert force_begin_blocks >= 0 and force_end_blocks >= 0
-        assert force_begin_blocks + force_end_blocks <= topk
-        assert output.shape == (total_q, heads, topk) and output.dtype == torch.int32
-        self.topk_calls.append(dict(force_begin=force_begin_blocks, force_end=force_end_blocks))
-        output.copy_(
-            reference.topk_select(
-                max_score,
-                topk,
-                num_valid_pages,
-                force_begin_blocks=force_begin_blocks,
-                force_end_blocks=force_end_blocks,
-            )
-        )
-        return output
-
-
-@pytest.fixture
-def kernels(monkeypatch):
-    fake = ReferenceKernels()
-    monkeypatch.setattr(fi_mod, "msa_proxy_score", fake.msa_proxy_score)
-    monkeypatch.setattr(fi_mod, "msa_topk_select", fake.msa_topk_select)
-    return fake
-
-
-def make_impl(
-    *,
-    heads: int,
-    dtype: str,
-    init_blocks: int = 0,
-    local_blocks: int = 1,
-    impl_cls=fi_mod.MiniMaxM3IndexerFlashInferImpl,
-):
-    buffer = torch.full((MAX_TOKENS, heads, 16), POISON, dtype=torch.int32)
-    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
-    with set_current_vllm_config(config):
-        impl = impl_cls(
-            num_kv_heads=heads,
-            scale=128**-0.5,
-            topk_blocks=16,
-            sparse_block_size=128,
-            num_index_heads=heads,
-            index_head_dim=128,
-            prefix="model.layers.1.self_attn.attn",
-            init_blocks=init_blocks,
-            local_blocks=local_blocks,
-            indexer_kv_dtype=dtype,
-            topk_indices_buffer=buffer,
-        )
-    return impl, buffer
-
-
-def run_forward(monkeypatch, impl, md, index_query):
-    context = types.SimpleNamespace(attn_metadata={impl.index_cache.prefix: md})
-    monkeypatch.setattr(fi_mod, "get_forward_context", lambda: context)
-    return impl(index_query)
-
-
-def expected_selection(batch, q, k_pages, heads, force_begin, force_end):
-    """The selection computed from the raw batch, bypassing the metadata."""
-    page_table = batch.metadata.block_table_tensor
-    scores = reference.proxy_score(
-        q.view(-1, heads, 128),
-        k_pages,
-        torch.tensor([0, *torch.tensor(batch.query_lens).cumsum(0).tolist()]),
-        page_table=page_table,
-        seqused_k=torch.tensor(batch.seq_lens),
-        max_k_tiles=-(-max(batch.seq_lens) // PAGE),
-    )
-    pages = torch.tensor([p // PAGE + 1 for p in batch.positions], dtype=torch.int32)
-    return reference.topk_select(
-        scores, 16, pages, force_begin_blocks=force_begin, force_end_blocks=force_end
-    )
-
-
 CASES = [
     ("decode", 1, "fp8", 0, 1),
     ("decode", 4, "bf16", 0, 1),
@@ -393,10 +205,11 @@ def test_forward_writes_the_reference_selection(
     if pairs == 2:
         # The decode rows stay in FlashInfer's decode regime (max_seqlen_q <= 4).
         assert kernels.proxy_calls[0]["max_seqlen_q"] <= 4
-    assert kernels.topk_calls == [dict(force_begin=init_blocks, force_end=local_blocks)] * pairs
+    forced = [(call["force_begin"], call["force_end"]) for call in kernels.topk_calls]
+    assert forced == [(init_blocks, local_blocks)] * pairs
     problems = reference.check_selection_invariants(
         buffer[:num_tokens],
-        torch.tensor([p // PAGE + 1 for p in batch.positions], dtype=torch.int32),
+        batch.step.valid_pages(),
         topk=16,
         force_begin_blocks=init_blocks,
         force_end_blocks=local_blocks,
@@ -417,7 +230,7 @@ def test_prefill_query_gets_overread_slack_and_decode_is_not_copied(monkeypatch,
     decode_rows = decode_side["q"].shape[0]
     assert decode_side["q"].data_ptr() == index_query.data_ptr(), "decode rows were copied"
     prefill_rows = rows - decode_rows
-    assert prefill_side["storage"] >= (prefill_rows + 127) * 128, "no room for the over-read"
+    assert prefill_side["q_storage"] >= (prefill_rows + 127) * 128, "no room for the over-read"
     assert torch.equal(
         prefill_side["q"].view(torch.uint8).view(prefill_rows, 128),
         index_query[decode_rows:].view(torch.uint8),
@@ -437,7 +250,8 @@ def test_short_contexts_force_clamped_regions(monkeypatch, kernels):
     )
     md = make_builder(local_blocks=4).build(0, batch.metadata)
     run_forward(monkeypatch, impl, md, torch.randn(2, 128).to(torch.float8_e4m3fn))
-    assert kernels.topk_calls == [dict(force_begin=5, force_end=4)]  # max_k_tiles == 5
+    [call] = kernels.topk_calls
+    assert (call["force_begin"], call["force_end"]) == (5, 4)  # max_k_tiles == 5
     assert buffer[0, 0].tolist() == [0] + [-1] * 15
     assert buffer[1, 0].tolist() == [0, 1, 2, 3, 4] + [-1] * 11
 

@@ -16,169 +16,25 @@ import pytest
 import torch
 from flashinfer.msa_ops import _sm90_dispatch, cake_hopper_sm90
 from flashinfer.msa_ops.cute_dsl import proxy_score_decode_sm90, proxy_score_prefill_sm90
-from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-from vllm.models.minimax_m3.common import indexer as indexer_mod
+from indexer_helpers import (
+    FP8,
+    MAX_TOKENS,
+    PAGE,
+    bind_cache,
+    expected_selection,
+    make_batch,
+    make_builder,
+    make_impl,
+    run_forward,
+)
+from vllm.config import DeviceConfig, VllmConfig
 from vllm.models.minimax_m3.nvidia import indexer_flashinfer as fi_mod
-from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from vllm_minimax.testing import reference
 from vllm_minimax.testing.patched_module import indexer_text_config
 
-PAGE = 128
-POISON = -7
-MAX_TOKENS = 4096
-FP8 = torch.float8_e4m3fn
-
-
-@pytest.fixture(autouse=True)
-def single_rank(monkeypatch):
-    monkeypatch.setattr(indexer_mod, "get_tensor_model_parallel_world_size", lambda: 1)
-
-
-def metadata(context_lens: list[int], query_lens: list[int]) -> CommonAttentionMetadata:
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
-    width = max(-(-s // PAGE) for s in seq_lens) + 2
-    pages = torch.randperm(len(seq_lens) * width + 5)[: len(seq_lens) * width]
-    starts = [0]
-    for q in query_lens:
-        starts.append(starts[-1] + q)
-    positions = [p for c, q in zip(context_lens, query_lens, strict=True) for p in range(c, c + q)]
-    qsl = torch.tensor(starts, dtype=torch.int32)
-    return CommonAttentionMetadata(
-        query_start_loc=qsl.clone(),
-        query_start_loc_cpu=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        num_reqs=len(seq_lens),
-        num_actual_tokens=starts[-1],
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_table_tensor=pages.view(len(seq_lens), width).to(torch.int32),
-        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
-    )
-
-
-def num_pages(md: CommonAttentionMetadata) -> int:
-    return int(md.block_table_tensor.max()) + 1
-
-
-def make_builder(*, threshold: int = 1, block_size: int = PAGE, text_config=None):
-    text_config = text_config or indexer_text_config(index_n_heads=1, index_local_blocks=1)
-    vllm_config = types.SimpleNamespace(
-        model_config=types.SimpleNamespace(
-            hf_config=types.SimpleNamespace(text_config=text_config)
-        ),
-        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=MAX_TOKENS),
-        speculative_config=None,
-        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1),
-    )
-    builder = fi_mod.MiniMaxM3IndexerFlashInferMetadataBuilder(
-        kv_cache_spec=types.SimpleNamespace(block_size=block_size),
-        layer_names=["l"],
-        vllm_config=vllm_config,
-        device=torch.device("cpu"),
-    )
-    builder.reorder_batch_threshold = threshold
-    return builder
-
-
-def make_impl(*, heads: int = 1, local_blocks: int = 1, max_model_len: int = 65536):
-    buffer = torch.full((MAX_TOKENS, heads, 16), POISON, dtype=torch.int32)
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
-        impl = fi_mod.MiniMaxM3IndexerFlashInferImpl(
-            num_kv_heads=heads,
-            scale=128**-0.5,
-            topk_blocks=16,
-            sparse_block_size=128,
-            num_index_heads=heads,
-            index_head_dim=128,
-            prefix="model.layers.3.self_attn.attn",
-            init_blocks=0,
-            local_blocks=local_blocks,
-            indexer_kv_dtype="fp8",
-            topk_indices_buffer=buffer,
-        )
-    # What the engine's config holds at profiling (a CPU VllmConfig has no model).
-    impl.vllm_config = types.SimpleNamespace(
-        model_config=types.SimpleNamespace(max_model_len=max_model_len),
-        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=MAX_TOKENS, max_num_seqs=64),
-        speculative_config=None,
-    )
-    return impl, buffer
-
-
-class RecordingKernels:
-    """FlashInfer's argument checks, the float32 reference, and a record of
-    what each call got."""
-
-    def __init__(self) -> None:
-        self.proxy: list[dict] = []
-        self.topk: list[dict] = []
-
-    def msa_proxy_score(self, q, k, cu_seqlens_q, *, page_table, seqused_k, causal,
-                        max_seqlen_q, max_k_tiles, output=None):  # fmt: skip
-        assert causal is True and q.ndim == 3
-        scores = reference.proxy_score(
-            q, k, cu_seqlens_q, page_table=page_table, seqused_k=seqused_k, max_k_tiles=max_k_tiles
-        )
-        self.proxy.append(
-            dict(
-                q_ptr=q.data_ptr(),
-                q_rows=q.shape[0],
-                q_storage=q.untyped_storage().nbytes() - q.storage_offset() * q.element_size(),
-                max_seqlen_q=max_seqlen_q,
-                batch=seqused_k.numel(),
-                output=output,
-            )
-        )
-        if output is None:
-            return scores
-        assert output.shape == scores.shape and output.dtype == torch.float32
-        return output.copy_(scores)
-
-    def msa_topk_select(self, max_score, topk, *, num_valid_pages, force_begin_blocks,
-                        force_end_blocks, output):  # fmt: skip
-        self.topk.append(dict(force_end=force_end_blocks, score_ptr=max_score.data_ptr()))
-        return output.copy_(
-            reference.topk_select(
-                max_score,
-                topk,
-                num_valid_pages,
-                force_begin_blocks=force_begin_blocks,
-                force_end_blocks=force_end_blocks,
-            )
-        )
-
-
-@pytest.fixture
-def kernels(monkeypatch):
-    fake = RecordingKernels()
-    monkeypatch.setattr(fi_mod, "msa_proxy_score", fake.msa_proxy_score)
-    monkeypatch.setattr(fi_mod, "msa_topk_select", fake.msa_topk_select)
-    return fake
-
-
-def run_forward(monkeypatch, impl, md, index_query):
-    context = types.SimpleNamespace(attn_metadata={impl.index_cache.prefix: md})
-    monkeypatch.setattr(fi_mod, "get_forward_context", lambda: context)
-    return impl(index_query)
-
-
-def bind_cache(impl, md: CommonAttentionMetadata) -> None:
-    impl.index_cache.bind_kv_cache(torch.randn(num_pages(md), 1, PAGE, 128).to(FP8))
-
-
-def reference_selection(md: CommonAttentionMetadata, q, k_pages, heads, force_end):
-    scores = reference.proxy_score(
-        q.view(-1, heads, 128),
-        k_pages,
-        md.query_start_loc_cpu,
-        page_table=md.block_table_tensor,
-        seqused_k=md.seq_lens,
-        max_k_tiles=-(-md.max_seq_len // PAGE),
-    )
-    pages = (md.positions // PAGE + 1).to(torch.int32)
-    return reference.topk_select(scores, 16, pages, force_end_blocks=force_end)
+pytestmark = pytest.mark.usefixtures("single_rank")
+# What the engine's config holds at profiling, for the impls that reserve the workspace.
+MAX_MODEL_LEN = 65536
 
 
 # ---------------------------------------------------------------------------
@@ -230,7 +86,7 @@ REGIME_BATCHES = {
 def test_each_call_is_in_the_regime_flashinfer_dispatches_it_to(monkeypatch, name):
     context_lens, query_lens, *threshold = REGIME_BATCHES[name]
     md = make_builder(threshold=threshold[0] if threshold else 1).build(
-        0, metadata(context_lens, query_lens)
+        0, make_batch(context_lens, query_lens).metadata
     )
     for call in md.calls:
         rows = call.token_end - call.token_start
@@ -243,20 +99,20 @@ def test_each_call_is_in_the_regime_flashinfer_dispatches_it_to(monkeypatch, nam
 def test_mtp_k4_decode_query_gets_the_slack_and_k3_is_not_copied(monkeypatch, kernels):
     """Query length 5 is FlashInfer's prefill regime although vLLM calls it
     decode: its q needs the 127 rows of slack; query length 4 is not copied."""
-    impl, _ = make_impl()
-    k4 = metadata([2500, 129, 6000], [5, 5, 5])
-    k3 = metadata([2500, 129, 6000], [4, 4, 4])
+    impl, _ = make_impl(max_model_len=MAX_MODEL_LEN)
+    k4 = make_batch([2500, 129, 6000], [5, 5, 5])
+    k3 = make_batch([2500, 129, 6000], [4, 4, 4])
     impl.index_cache.bind_kv_cache(
-        torch.randn(max(num_pages(k4), num_pages(k3)), 1, PAGE, 128).to(FP8)
+        torch.randn(max(k4.num_pages, k3.num_pages), 1, PAGE, 128).to(FP8)
     )
     q5 = torch.randn(15, 128).to(FP8)
-    run_forward(monkeypatch, impl, make_builder(threshold=5).build(0, k4), q5)
-    (call,) = kernels.proxy
+    run_forward(monkeypatch, impl, make_builder(threshold=5).build(0, k4.metadata), q5)
+    (call,) = kernels.proxy_calls
     assert call["max_seqlen_q"] == 5
     assert call["q_storage"] >= (15 + 127) * 128, "no room behind q for the over-read"
     q4 = torch.randn(12, 128).to(FP8)
-    run_forward(monkeypatch, impl, make_builder(threshold=4).build(0, k3), q4)
-    assert kernels.proxy[-1]["q_ptr"] == q4.data_ptr(), "a decode-regime q was copied"
+    run_forward(monkeypatch, impl, make_builder(threshold=4).build(0, k3.metadata), q4)
+    assert kernels.proxy_calls[-1]["q_ptr"] == q4.data_ptr(), "a decode-regime q was copied"
 
 
 # ---------------------------------------------------------------------------
@@ -272,19 +128,19 @@ def test_mtp_k4_decode_query_gets_the_slack_and_k3_is_not_copied(monkeypatch, ke
 def test_decode_max_seqlen_q_counts_zero_length_rows_out(
     monkeypatch, kernels, context_lens, query_lens, threshold, decode_max
 ):
-    batch = metadata(context_lens, query_lens)
-    md = make_builder(threshold=threshold).build(0, batch)
+    batch = make_batch(context_lens, query_lens)
+    md = make_builder(threshold=threshold).build(0, batch.metadata)
     assert md.num_prefills == 1 and md.num_decodes == len(query_lens) - 1
     decode_call = md.calls[0]
     assert decode_call.max_seqlen_q == decode_max
-    impl, buffer = make_impl()
+    impl, buffer = make_impl(max_model_len=MAX_MODEL_LEN)
     bind_cache(impl, batch)
-    index_query = torch.randn(batch.num_actual_tokens, 128).to(FP8)
+    index_query = torch.randn(batch.num_tokens, 128).to(FP8)
     run_forward(monkeypatch, impl, md, index_query)
-    assert kernels.proxy[0]["max_seqlen_q"] == decode_max
+    assert kernels.proxy_calls[0]["max_seqlen_q"] == decode_max
     k_pages = impl.index_cache.kv_cache.view(-1, 1, PAGE, 128)
-    want = reference_selection(batch, index_query, k_pages, 1, 1)
-    assert torch.equal(buffer[: batch.num_actual_tokens], want)
+    want = expected_selection(batch, index_query, k_pages, 1, 0, 1)
+    assert torch.equal(buffer[: batch.num_tokens], want)
 
 
 # ---------------------------------------------------------------------------
@@ -327,24 +183,27 @@ def test_profiling_reserves_the_workspace_and_every_call_reuses_it(
     # vLLM locks the workspace after capture: no step may grow it.
     cpu_workspace.lock()
     batches = [
-        (metadata([9000, 4096, 0], [1, 1, 700]), 1),
-        (metadata([19000 - 1, 77], [1, 1]), 1),
-        (metadata([0], [1000]), 1),
+        (make_batch([9000, 4096, 0], [1, 1, 700]), 1),
+        (make_batch([19000 - 1, 77], [1, 1]), 1),
+        (make_batch([0], [1000]), 1),
     ]
     for batch, threshold in batches:
         bind_cache(impl, batch)
-        index_query = torch.randn(batch.num_actual_tokens, 256).to(FP8)
+        index_query = torch.randn(batch.num_tokens, 256).to(FP8)
         run_forward(
-            monkeypatch, impl, make_builder(threshold=threshold).build(0, batch), index_query
+            monkeypatch,
+            impl,
+            make_builder(threshold=threshold).build(0, batch.metadata),
+            index_query,
         )
         k_pages = impl.index_cache.kv_cache.view(-1, 1, PAGE, 128)
-        want = reference_selection(batch, index_query, k_pages, 2, 1)
-        assert torch.equal(buffer[: batch.num_actual_tokens], want)
-    assert len(kernels.proxy) == 4
-    for call in kernels.proxy:
+        want = expected_selection(batch, index_query, k_pages, 2, 0, 1)
+        assert torch.equal(buffer[: batch.num_tokens], want)
+    assert len(kernels.proxy_calls) == 4
+    for call in kernels.proxy_calls:
         assert call["output"] is not None, "the score buffer was allocated per call"
         assert call["output"].data_ptr() == reserved.data_ptr()
-    assert {t["score_ptr"] for t in kernels.topk} == {reserved.data_ptr()}
+    assert {t["score_ptr"] for t in kernels.topk_calls} == {reserved.data_ptr()}
 
 
 def test_long_prefills_are_scored_in_query_chunks_within_the_reserved_buffer(
@@ -363,17 +222,16 @@ def test_long_prefills_are_scored_in_query_chunks_within_the_reserved_buffer(
     assert reserved.numel() == 2 * 94 * max(64, 3 * PAGE) * 4
     cpu_workspace.lock()
     # 2 decodes, then prefills of 700 rows on no context and 900 on 2000 tokens.
-    batch = metadata([9000, 11000, 0, 2000], [1, 1, 700, 900])
-    md = make_builder().build(0, batch)
-    bind_cache(impl, batch)
-    index_query = torch.randn(batch.num_actual_tokens, 256).to(FP8)
+    batch = make_batch([9000, 11000, 0, 2000], [1, 1, 700, 900])
+    md = make_builder().build(0, batch.metadata)
+    k_pages = bind_cache(impl, batch)
+    index_query = torch.randn(batch.num_tokens, 256).to(FP8)
     run_forward(monkeypatch, impl, md, index_query)
 
-    k_pages = impl.index_cache.kv_cache.view(-1, 1, PAGE, 128)
-    want = reference_selection(batch, index_query, k_pages, 2, 1)
-    assert torch.equal(buffer[: batch.num_actual_tokens], want)
+    want = expected_selection(batch, index_query, k_pages, 2, 0, 1)
+    assert torch.equal(buffer[: batch.num_tokens], want)
     # The decode side whole, then 1600 prefill rows as 384 + 384 + 384 + 384 + 64.
-    assert [c["q_rows"] for c in kernels.proxy] == [2, 384, 384, 384, 384, 64]
+    assert [c["q_rows"] for c in kernels.proxy_calls] == [2, 384, 384, 384, 384, 64]
     assert [(c.token_start, c.token_end) for c in md.calls] == [
         (0, 2),
         (2, 386),
@@ -386,7 +244,7 @@ def test_long_prefills_are_scored_in_query_chunks_within_the_reserved_buffer(
     # at its position 699), 68 of the second (positions 2000 to 2067).
     assert md.calls[2].cu_seqlens_q.tolist() == [0, 316, 384]
     assert md.calls[2].seqused_k.tolist() == [700, 2068]
-    for call in kernels.proxy:
+    for call in kernels.proxy_calls:
         assert call["output"].data_ptr() == reserved.data_ptr()
 
 
@@ -395,7 +253,7 @@ def test_long_prefills_are_scored_in_query_chunks_within_the_reserved_buffer(
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("block_size", [64, 256])
 def test_builder_refuses_an_index_cache_of_other_pages(block_size):
-    impl, _ = make_impl()
+    impl, _ = make_impl(max_model_len=MAX_MODEL_LEN)
     config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     config.cache_config.block_size = block_size
     spec = impl.index_cache.get_kv_cache_spec(config)
@@ -410,7 +268,7 @@ def test_builder_refuses_an_index_cache_of_other_pages(block_size):
 
 
 def test_builder_takes_an_index_cache_of_128_token_pages():
-    impl, _ = make_impl()
+    impl, _ = make_impl(max_model_len=MAX_MODEL_LEN)
     config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     config.cache_config.block_size = PAGE
     builder = fi_mod.MiniMaxM3IndexerFlashInferMetadataBuilder(
@@ -436,16 +294,16 @@ def test_builder_takes_an_index_cache_of_128_token_pages():
 def test_forward_forces_the_layers_own_local_window(monkeypatch, kernels, text_config):
     """An MTP draft layer whose local window (3) differs from the config the
     builder sees."""
-    batch = metadata([9000, 4096, 0], [1, 1, 700])
-    md = make_builder(text_config=text_config).build(0, batch)
-    impl, buffer = make_impl(local_blocks=3)
+    batch = make_batch([9000, 4096, 0], [1, 1, 700])
+    md = make_builder(text_config=text_config).build(0, batch.metadata)
+    impl, buffer = make_impl(local_blocks=3, max_model_len=MAX_MODEL_LEN)
     bind_cache(impl, batch)
-    index_query = torch.randn(batch.num_actual_tokens, 128).to(FP8)
+    index_query = torch.randn(batch.num_tokens, 128).to(FP8)
     run_forward(monkeypatch, impl, md, index_query)
-    assert [t["force_end"] for t in kernels.topk] == [3, 3]
+    assert [t["force_end"] for t in kernels.topk_calls] == [3, 3]
     k_pages = impl.index_cache.kv_cache.view(-1, 1, PAGE, 128)
-    want = reference_selection(batch, index_query, k_pages, 1, 3)
-    assert torch.equal(buffer[: batch.num_actual_tokens], want)
+    want = expected_selection(batch, index_query, k_pages, 1, 0, 3)
+    assert torch.equal(buffer[: batch.num_tokens], want)
 
 
 # ---------------------------------------------------------------------------
@@ -463,14 +321,16 @@ def test_captured_decode_scores_into_the_same_buffer_on_replay(monkeypatch, kern
     replay's must be the same storage."""
     impl, _ = make_impl(max_model_len=32768)
     impl.reserve_workspace()
-    capture = metadata([32768 - 2] * 4, [2] * 4)
-    replay = metadata([3000, 5, 127, 9000], [2] * 4)
+    capture = make_batch([32768 - 2] * 4, [2] * 4)
+    replay = make_batch([3000, 5, 127, 9000], [2] * 4)
     impl.index_cache.bind_kv_cache(
-        torch.randn(max(num_pages(capture), num_pages(replay)), 1, PAGE, 128).to(FP8)
+        torch.randn(max(capture.num_pages, replay.num_pages), 1, PAGE, 128).to(FP8)
     )
     builder = make_builder(threshold=2)
     for batch in (capture, replay):
-        run_forward(monkeypatch, impl, builder.build(0, batch), torch.randn(8, 128).to(FP8))
-    captured, replayed = kernels.proxy
+        run_forward(
+            monkeypatch, impl, builder.build(0, batch.metadata), torch.randn(8, 128).to(FP8)
+        )
+    captured, replayed = kernels.proxy_calls
     assert captured["output"] is not None and replayed["output"] is not None
     assert captured["output"].data_ptr() == replayed["output"].data_ptr()

@@ -14,33 +14,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_flashinfer_indexer import (
-    PAGE,
-    POISON,
-    ReferenceKernels,
-    make_batch,
-    make_builder,
-    make_impl,
-    run_forward,
-)
-from vllm.models.minimax_m3.common import indexer as indexer_mod
-from vllm.models.minimax_m3.nvidia import indexer_flashinfer as fi_mod
+from indexer_helpers import PAGE, POISON, make_batch, make_builder, make_impl, run_forward
 
 from vllm_minimax.testing import reference
 from vllm_minimax.testing.hf_indexer import STEP_CASES, StepCase
+from vllm_minimax.testing.scheduled_step import write_keys
 
-
-@pytest.fixture(autouse=True)
-def single_rank(monkeypatch):
-    monkeypatch.setattr(indexer_mod, "get_tensor_model_parallel_world_size", lambda: 1)
-
-
-@pytest.fixture
-def kernels(monkeypatch):
-    fake = ReferenceKernels()
-    monkeypatch.setattr(fi_mod, "msa_proxy_score", fake.msa_proxy_score)
-    monkeypatch.setattr(fi_mod, "msa_topk_select", fake.msa_topk_select)
-    return fake
+pytestmark = pytest.mark.usefixtures("single_rank")
 
 
 @pytest.mark.parametrize("case", STEP_CASES, ids=lambda c: c.name)
@@ -55,10 +35,7 @@ def test_patched_forward_selects_what_transformers_selects(monkeypatch, kernels,
     )
     cache = torch.randn(batch.num_pages, 1, PAGE, 128).to(torch.bfloat16)  # garbage elsewhere
     table = batch.metadata.block_table_tensor
-    for request, k in enumerate(keys):
-        num_pages = -(-k.shape[0] // PAGE)
-        padded = torch.nn.functional.pad(k, (0, 0, 0, num_pages * PAGE - k.shape[0]))
-        cache[table[request, :num_pages].long(), 0] = padded.view(num_pages, PAGE, 128)
+    write_keys(cache, table, keys)
     impl.index_cache.bind_kv_cache(cache)
     index_query = torch.randn(num_tokens + 3, case.heads * 128).to(torch.bfloat16)
     index_query[:num_tokens] = q.reshape(num_tokens, -1)

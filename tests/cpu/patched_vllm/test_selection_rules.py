@@ -16,7 +16,7 @@ import pytest
 import vllm
 import vllm.models.minimax_m3.nvidia.indexer_flashinfer_gate as gate
 
-from vllm_minimax.probe import select_indexer
+from vllm_minimax.probe import platform_override, select_indexer, simulated_cuda_platform
 
 FLASHINFER = "MiniMaxM3IndexerFlashInferImpl"
 TRITON = "MiniMaxM3IndexerTritonImpl"
@@ -98,3 +98,81 @@ def test_selection_row(monkeypatch, config, outcome):
         assert selection.error is None, selection.error
         assert selection.impl == kind, selection.describe()
         assert selection.log is not None and fragment in selection.log, selection.log
+
+
+# The gate's conditions in the order the series README lists them, each with the arguments
+# that fail it alone (on an otherwise eligible SM90 GPU with a usable FlashInfer) and a
+# fragment of its reason. The gate names the first failing condition, so wherever two fail
+# together, users read the earlier one's reason.
+GATE_ORDER = [
+    ("capability", {"cap": (10, 0)}, "compute capability 10.0"),
+    ("flashinfer", {"probe_says": TOO_OLD}, "older than 0.7.4"),
+    ("topk", {"topk_blocks": 8}, "topk_blocks=8"),
+    ("head dim", {"index_head_dim": 64}, "index head dim 64"),
+    ("sparse block", {"sparse_block_size": 64}, "sparse block 64"),
+    ("SM90 dtype", {"indexer_kv_dtype": "bf16"}, "index cache is bf16"),
+    ("SM90 heads", {"num_index_heads": 8}, "8 index heads per rank"),
+]
+GATE_PAIRS = [
+    (earlier, later) for i, earlier in enumerate(GATE_ORDER) for later in GATE_ORDER[i + 1 :]
+]
+
+
+def gate_reason(monkeypatch, failing: dict) -> str | None:
+    arguments = dict(
+        cap=(9, 0),
+        probe_says=None,
+        topk_blocks=16,
+        index_head_dim=128,
+        sparse_block_size=128,
+        num_index_heads=1,
+        indexer_kv_dtype="fp8",
+    )
+    arguments.update(failing)
+    cap, probe_says = arguments.pop("cap"), arguments.pop("probe_says")
+    monkeypatch.setattr(gate, "flashinfer_msa_indexer_unavailable", lambda: probe_says)
+    with platform_override(simulated_cuda_platform(cap)):
+        return gate.flashinfer_indexer_unavailable(backend="auto", **arguments)
+
+
+@pytest.mark.parametrize("condition", GATE_ORDER, ids=lambda c: c[0])
+def test_each_gate_condition_fails_alone(monkeypatch, condition):
+    _, failing, fragment = condition
+    reason = gate_reason(monkeypatch, failing)
+    assert reason is not None and fragment in reason, reason
+    assert gate_reason(monkeypatch, {}) is None
+
+
+@pytest.mark.parametrize(("earlier", "later"), GATE_PAIRS, ids=lambda c: c[0])
+def test_two_failing_conditions_give_the_earlier_ones_reason(monkeypatch, earlier, later):
+    reason = gate_reason(monkeypatch, {**earlier[1], **later[1]})
+    assert reason is not None and earlier[2] in reason and later[2] not in reason, reason
+
+
+# Through the whole selection (`select_indexer`, the engine's path): rows with two failing
+# conditions, outcome and the earlier one's reason, never the later one's.
+TWO_FAILING_ROWS = [
+    (((9, 0), "bf16", 8, 16, None, "auto"), (TRITON, "index cache is bf16"), "8 index heads"),
+    (((9, 0), "bf16", 8, 16, None, "flashinfer"), ("ValueError", "index cache is bf16"),
+     "8 index heads"),
+    (((9, 0), "bf16", 2, 8, None, "auto"), (TRITON, "topk_blocks=8"), "index cache is bf16"),
+    (((9, 0), "fp8", 8, 8, None, "flashinfer"), ("ValueError", "topk_blocks=8"), "8 index heads"),
+    (((9, 0), "fp8", 1, 8, TOO_OLD, "auto"), (TRITON, "older than 0.7.4"), "takes 16"),
+    (((12, 0), "bf16", 8, 8, ABSENT, "flashinfer"), ("ValueError", "not installed"), "takes 16"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "outcome", "later"), TWO_FAILING_ROWS, ids=lambda v: "-".join(map(str, v))
+)
+def test_selection_row_with_two_failing_conditions(monkeypatch, config, outcome, later):
+    test_selection_row(monkeypatch, config, outcome)
+    cap, dtype, heads, topk, _, override = config
+    selection = select_indexer(
+        indexer_kv_dtype=dtype,
+        topk_blocks=topk,
+        num_index_heads=heads,
+        indexer_backend=override,
+        capability=cap,
+    )
+    assert later not in (selection.error or selection.log or ""), selection.describe()

@@ -17,7 +17,7 @@ import types
 
 import pytest
 import torch
-from test_flashinfer_indexer import PAGE, make_batch, make_builder, make_impl
+from indexer_helpers import PAGE, make_batch, make_builder, make_impl
 from vllm.models.minimax_m3.common import indexer as indexer_mod
 
 from vllm_minimax.testing import reference, selection_audit
@@ -28,9 +28,7 @@ LAYER = 1  # make_impl's prefix: model.layers.1.self_attn.attn
 SELECTIONS: list[torch.Tensor] = []
 
 
-@pytest.fixture(autouse=True)
-def single_rank(monkeypatch):
-    monkeypatch.setattr(indexer_mod, "get_tensor_model_parallel_world_size", lambda: 1)
+pytestmark = pytest.mark.usefixtures("single_rank")
 
 
 def stand_in_forward(self, index_query, **kwargs):
