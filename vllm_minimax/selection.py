@@ -148,7 +148,7 @@ def sparse_attention_rule(
 def sparse_attention_hint(reason: str) -> str:
     if "kv-cache-dtype" in reason or "KV cache is" in reason:
         return "kv-cache-dtype: fp8 in the config"
-    if "query heads per KV head" in reason:
+    if "query heads per KV head" in reason or "KV heads per rank" in reason:
         return "tensor-parallel-size (query heads per KV head at a rank: 8 at TP 8, 16 at TP 1-4)"
     if "block-size" in reason:
         return "block-size: 128 in the config"

@@ -40,12 +40,21 @@ LAUNCH_DOCS = [
     *sorted((REPO / "docs").glob("*.md")),
     *SM90_CONFIGS,
 ]
+# A config as the docs name it: its file under configs/serve/, `"$(vllm-minimax config path
+# NAME)"`, or a bare shipped NAME (what doctor, eval ab and warmup take).
+CONFIG_REF = (
+    r"(?:\S*configs/serve/(?P<file>[\w.-]+)\.yaml"
+    r"|\"\$\(vllm-minimax config path (?P<path_name>[\w.-]+)\)\""
+    r"|(?P<bare>[a-z0-9][\w-]*-\d+x[\w-]*)(?=\s))"
+)
 MODEL_THEN_CONFIG = re.compile(
-    r"(?P<model>[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)\s+--config\s+\S*configs/serve/(?P<file>[\w.-]+\.yaml)"
+    r"(?<![\w/.-])(?P<model>[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)\s+--config\s+" + CONFIG_REF
 )
-CONFIG_THEN_MODEL = re.compile(
-    r"--config\s+\S*configs/serve/(?P<file>[\w.-]+\.yaml)\s+--model\s+(?P<model>\S+)"
-)
+CONFIG_THEN_MODEL = re.compile(r"--config\s+" + CONFIG_REF + r"\s+--model\s+(?P<model>\S+)")
+
+
+def _config_file(match: re.Match[str]) -> str:
+    return (match["file"] or match["path_name"] or match["bare"]) + ".yaml"
 
 
 def test_full_model_is_the_tiny_models_parameter_count():
@@ -189,7 +198,7 @@ def _launches() -> list[tuple[Path, str, str]]:
     for doc in LAUNCH_DOCS:
         text = doc.read_text().replace("\\\n", " ")
         for pattern in (MODEL_THEN_CONFIG, CONFIG_THEN_MODEL):
-            found += [(doc, match["file"], match["model"]) for match in pattern.finditer(text)]
+            found += [(doc, _config_file(m), m["model"]) for m in pattern.finditer(text)]
     return found
 
 
