@@ -168,14 +168,34 @@ def test_a_forced_triton_is_as_configured(doctor_run):
 
 
 def test_an_attention_key_this_series_lacks_will_not_start(doctor_run, tmp_path):
-    config = tmp_path / "sparse.yaml"
+    config = tmp_path / "unknown.yaml"
     config.write_text(
         "tensor-parallel-size: 8\nattention-config:\n  indexer_kv_dtype: fp8\n"
-        f"  {probe.SPARSE_ATTENTION_KEY}: auto\n"
+        "  minimax_m3_no_such_backend: auto\n"
     )
     code, out = doctor_run("--config", str(config), "--capability", "9.0")
     assert code == doctor.EXIT_FAILS, out
-    assert probe.SPARSE_ATTENTION_KEY in rows(out)["indexer"]
+    assert "minimax_m3_no_such_backend" in rows(out)["indexer"]
+
+
+@pytest.mark.usefixtures("flashinfer_can_jit")
+def test_the_sparse_attention_row_follows_the_kv_cache_dtype(doctor_run):
+    code, out = doctor_run("--config", "h200-8x", "--capability", "9.0", "--kv-cache-dtype", "fp8")
+    assert code == doctor.EXIT_READY, out
+    assert rows(out)["sparse attention"].startswith("FlashInfer: "), out
+    # 4 query heads per KV head at TP 16: no FlashInfer prefill schedule takes that group.
+    code, out = doctor_run(
+        "--config",
+        "h200-8x",
+        "--capability",
+        "9.0",
+        "--kv-cache-dtype",
+        "fp8",
+        "--tensor-parallel-size",
+        "16",
+    )
+    assert code == doctor.EXIT_FALLBACK, out
+    assert "groups of 8 or 16" in rows(out)["sparse attention"], out
 
 
 def test_an_sm100_gpu_gets_vllms_own_msa_indexer(doctor_run):
