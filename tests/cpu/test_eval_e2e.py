@@ -229,9 +229,23 @@ AGREEMENT_TOLERANCE = 1.6
 @pytest.mark.quiet_cpu
 def test_vllm_bench_and_the_own_client_agree(server: VllmServer, tiny_llama: Path, tmp_path: Path):
     """One shape on this server through `vllm bench serve` and this project's client,
-    alternated over rounds (client_agreement_probe.py)."""
+    alternated over rounds (client_agreement_probe.py). The timing part gets a second run
+    when the first parts the clients: a disturbance of the machine rarely lasts through
+    both, while a systematic error (a level at the wrong concurrency, tok/s per request)
+    shifts every round of both runs."""
+    first = _agreement_run(server, tiny_llama, tmp_path / "first")
+    if not first:
+        return
+    second = _agreement_run(server, tiny_llama, tmp_path / "second")
+    assert not second, f"both runs parted the clients: {first} then {second}"
+
+
+def _agreement_run(server: VllmServer, tiny_llama: Path, out: Path) -> list[tuple]:
+    """One probe run: its definitions asserted, its timing ratios outside the tolerance
+    returned."""
+    out.mkdir()
     command = [sys.executable, str(AGREEMENT_PROBE), server.base_url, str(tiny_llama)]
-    command += [str(tmp_path), "--rounds", str(AGREEMENT_ROUNDS), "--concurrency"]
+    command += [str(out), "--rounds", str(AGREEMENT_ROUNDS), "--concurrency"]
     command += [str(c) for c in AGREEMENT_CONCURRENCY]
     for key, value in AGREEMENT_SHAPE.items():
         command += [f"--{key.replace('_', '-')}", str(value)]
@@ -263,10 +277,11 @@ def test_vllm_bench_and_the_own_client_agree(server: VllmServer, tiny_llama: Pat
             for stat in ("mean", "p50", "p90", "p99"):
                 assert level[key][stat] == pytest.approx(ours[key][stat], rel=1e-6), (key, stat)
     # Timing: the median over the rounds of the clients' ratio within a round.
+    parted = []
     for concurrency in AGREEMENT_CONCURRENCY:
-        for metric in (
-            lambda lv: lv["output_tokens_per_s"],
-            lambda lv: lv["e2e_latency_ms"]["p50"],
+        for name, metric in (
+            ("tok/s", lambda lv: lv["output_tokens_per_s"]),
+            ("e2e p50", lambda lv: lv["e2e_latency_ms"]["p50"]),
         ):
             by_round = {
                 (lv["client"], lv["round"]): metric(lv)
@@ -277,7 +292,9 @@ def test_vllm_bench_and_the_own_client_agree(server: VllmServer, tiny_llama: Pat
                 by_round[("vllm-bench", r)] / by_round[("own", r)] for r in range(AGREEMENT_ROUNDS)
             ]
             ratio = statistics.median(ratios)
-            assert 1 / AGREEMENT_TOLERANCE <= ratio <= AGREEMENT_TOLERANCE, (concurrency, ratios)
+            if not 1 / AGREEMENT_TOLERANCE <= ratio <= AGREEMENT_TOLERANCE:
+                parted.append((concurrency, name, ratios))
+    return parted
 
 
 def test_server_dying_mid_run_keeps_the_finished_levels(
