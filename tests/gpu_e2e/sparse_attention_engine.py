@@ -23,12 +23,9 @@ import sys
 import time
 from pathlib import Path
 
+from vllm_minimax.testing.engine_runs import flashinfer_jit_files
+
 PROMPT_LENS = (8192, 16384, 24576, 16384)
-
-
-def _jit_files() -> set[str]:
-    root = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", Path.home())) / ".cache" / "flashinfer"
-    return {str(p) for p in root.rglob("*.so")} if root.exists() else set()
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -69,7 +66,7 @@ def run(args: argparse.Namespace) -> dict:
     vocab = llm.llm_engine.model_config.get_vocab_size()
     base = [rng.randrange(10, vocab - 10) for _ in range(max(PROMPT_LENS))]
     prompts = [TokensPrompt(prompt_token_ids=base[:n]) for n in PROMPT_LENS]
-    before = _jit_files()
+    before = flashinfer_jit_files()
     began = time.perf_counter()
     outputs = llm.generate(
         prompts,
@@ -78,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
         use_tqdm=False,
     )
     result["generate_s"] = round(time.perf_counter() - began, 2)
-    result["jit_built_after_ready"] = sorted(_jit_files() - before)
+    result["jit_built_after_ready"] = sorted(flashinfer_jit_files() - before)
     result["requests"] = [
         {
             "prompt_logprobs": [

@@ -19,12 +19,12 @@ must be large in absolute terms.
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 from pathlib import Path
 
 import pytest
+
+from vllm_minimax.testing.engine_runs import load_run, mean_abs_diff
 
 RUNS_ENV = "VLLM_MINIMAX_SA_RUNS"
 RATIO_BOUND = 4 * 2.3e-3 / 3.6e-2
@@ -35,31 +35,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def load_run(directory: Path, name: str) -> dict:
-    """`<name>.json` in `directory`, or its gzip'ed copy (committed results)."""
-    path = directory / f"{name}.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    packed = path.with_suffix(".json.gz")
-    assert packed.exists(), f"no run {path}"
-    return json.loads(gzip.decompress(packed.read_bytes()))
-
-
 def _load(name: str) -> dict:
     run = load_run(Path(os.environ[RUNS_ENV]), name)
     assert "error" not in run, f"{name}: {run['error']}"
     return run
-
-
-def mean_abs_diff(a: dict, b: dict) -> float:
-    """Mean |difference| of two runs' prompt logprobs, token by token."""
-    diffs = []
-    for ra, rb in zip(a["requests"], b["requests"], strict=True):
-        for x, y in zip(ra["prompt_logprobs"], rb["prompt_logprobs"], strict=True):
-            if x is not None and y is not None:
-                diffs.append(abs(x - y))
-    assert diffs
-    return sum(diffs) / len(diffs)
 
 
 def test_control_pair_moves_the_logprobs():

@@ -34,14 +34,14 @@ difference and TP's).
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 import os
 import re
 from pathlib import Path
 
 import pytest
+
+from vllm_minimax.testing.engine_runs import load_run, mean_abs_diff
 
 RUNS_ENV = "VLLM_MINIMAX_TP_RUNS"
 BF16_UNIT = 2.0**-8
@@ -64,16 +64,6 @@ ATTEND_SELECTED = {
 PROCESS = re.compile(r"\((?P<name>[^()\s]+) pid=\d+\)")
 WORKER_RANK = re.compile(r"_TP(?P<rank>\d+)(?![0-9])")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def load_run(directory: Path, name: str) -> dict:
-    """`<name>.json` in `directory`, or its gzip'ed copy (committed results)."""
-    path = directory / f"{name}.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    packed = path.with_suffix(".json.gz")
-    assert packed.exists(), f"no run {path}"
-    return json.loads(gzip.decompress(packed.read_bytes()))
 
 
 def run_names(directory: Path) -> list[str]:
@@ -133,17 +123,6 @@ def selection_faults(log: str, tensor_parallel_size: int, attend: str) -> list[s
     if wrong:
         faults.append(f"ranks {sorted(wrong)} logged {ATTEND_SELECTED[other]!r}")
     return faults
-
-
-def mean_abs_diff(a: dict, b: dict) -> float:
-    """Mean |difference| of two runs' prompt logprobs, token by token."""
-    diffs = []
-    for ra, rb in zip(a["requests"], b["requests"], strict=True):
-        for x, y in zip(ra["prompt_logprobs"], rb["prompt_logprobs"], strict=True):
-            if x is not None and y is not None:
-                diffs.append(abs(x - y))
-    assert diffs
-    return sum(diffs) / len(diffs)
 
 
 def _directory() -> Path:
