@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,9 +75,11 @@ def simulated_cuda_platform(capability: tuple[int, int]) -> Any:
 
 
 @contextlib.contextmanager
-def platform_override(platform: Any) -> Iterator[None]:
-    """Make the selection code see `platform` as vLLM's current platform."""
-    modules = [importlib.import_module(name) for name in _PLATFORM_USERS]
+def platform_override(
+    platform: Any, module_names: tuple[str, ...] = _PLATFORM_USERS
+) -> Iterator[None]:
+    """Make the selection code in `module_names` see `platform` as vLLM's current platform."""
+    modules = [importlib.import_module(name) for name in module_names]
     saved = [module.current_platform for module in modules]
     try:
         for module in modules:
@@ -94,6 +96,47 @@ def parse_capability(text: str) -> tuple[int, int]:
     if not (sep and major.isdigit() and minor.isdigit()):
         raise ValueError(f"compute capability must look like 9.0 or 12.1, got {text!r}")
     return int(major), int(minor)
+
+
+def _run_selection(
+    module_name: str,
+    attention_options: Mapping[str, object],
+    capability: tuple[int, int] | None,
+    platform_users: tuple[str, ...],
+    select: Callable[[Any, Any], type],
+) -> Selection:
+    """Call `select(module, attention_config)` under a CPU `VllmConfig` holding
+    `attention_options` (validated by vLLM's `AttentionConfig`, as `vllm serve` does), on a
+    simulated CUDA GPU of `capability` (None: this machine's platform), and report the class
+    it returned with the last line the module logged once, or the error it raised."""
+    from vllm.config import AttentionConfig, DeviceConfig, VllmConfig, set_current_vllm_config
+
+    module = importlib.import_module(module_name)
+    logged: list[str] = []
+
+    def record(message: str, *args: object, **_: object) -> None:
+        logged.append(message % args if args else message)
+
+    try:
+        attention_config = AttentionConfig(**attention_options)
+    except Exception as exc:  # pydantic names the field and the allowed values
+        return Selection(impl=None, log=None, error=f"{type(exc).__name__}: {exc}")
+    vllm_config = VllmConfig(
+        device_config=DeviceConfig(device="cpu"), attention_config=attention_config
+    )
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(set_current_vllm_config(vllm_config))
+        if capability is not None:
+            platform = simulated_cuda_platform(capability)
+            stack.enter_context(platform_override(platform, platform_users))
+        logger = module.logger
+        stack.callback(setattr, logger, "info_once", logger.info_once)
+        logger.info_once = record
+        try:
+            impl_cls = select(module, attention_config)
+        except (ValueError, NotImplementedError, ImportError) as exc:
+            return Selection(impl=None, log=None, error=f"{type(exc).__name__}: {exc}")
+    return Selection(impl=impl_cls.__name__, log=logged[-1] if logged else None, error=None)
 
 
 def select_indexer(
@@ -113,50 +156,25 @@ def select_indexer(
     `capability`, the selection runs on a simulated CUDA GPU of that capability; without
     it, on this machine's real platform.
     """
-    from vllm.config import AttentionConfig, DeviceConfig, VllmConfig, set_current_vllm_config
 
-    selection_module = importlib.import_module(_SELECTION_MODULE)
-    logged: list[str] = []
-
-    def record(message: str, *args: object, **_: object) -> None:
-        logged.append(message % args if args else message)
+    def select(module: Any, attention_config: Any) -> type:
+        dtype = indexer_kv_dtype
+        if dtype is None:
+            dtype = str(attention_config.resolve_indexer_kv_dtype("bf16"))
+        return module.select_indexer_impl_cls(
+            topk_blocks=topk_blocks, indexer_kv_dtype=dtype, num_index_heads=num_index_heads
+        )
 
     options = {**(attention_options or {}), "minimax_m3_indexer_backend": indexer_backend}
-    try:
-        attention_config = AttentionConfig(**options)
-    except Exception as exc:  # pydantic names the field and the allowed values
-        return Selection(impl=None, log=None, error=f"{type(exc).__name__}: {exc}")
-    if indexer_kv_dtype is None:
-        indexer_kv_dtype = str(attention_config.resolve_indexer_kv_dtype("bf16"))
-    vllm_config = VllmConfig(
-        device_config=DeviceConfig(device="cpu"), attention_config=attention_config
-    )
-    platform = simulated_cuda_platform(capability) if capability is not None else None
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(set_current_vllm_config(vllm_config))
-        if platform is not None:
-            stack.enter_context(platform_override(platform))
-        logger = selection_module.logger
-        stack.callback(setattr, logger, "info_once", logger.info_once)
-        logger.info_once = record
-        try:
-            impl_cls = selection_module.select_indexer_impl_cls(
-                topk_blocks=topk_blocks,
-                indexer_kv_dtype=indexer_kv_dtype,
-                num_index_heads=num_index_heads,
-            )
-        except (ValueError, NotImplementedError, ImportError) as exc:
-            return Selection(impl=None, log=None, error=f"{type(exc).__name__}: {exc}")
-    return Selection(impl=impl_cls.__name__, log=logged[-1] if logged else None, error=None)
+    return _run_selection(_SELECTION_MODULE, options, capability, _PLATFORM_USERS, select)
 
 
 _SPARSE_ATTENTION_MODULE = "vllm.models.minimax_m3.common.sparse_attention"
-_SPARSE_ATTENTION_FLASHINFER_MODULE = "vllm.models.minimax_m3.nvidia.sparse_attention_flashinfer"
 
 
 def sparse_attention_in_series() -> bool:
     """Whether the vLLM this Python imports carries the FlashInfer sparse attention."""
-    return importlib.util.find_spec(_SPARSE_ATTENTION_FLASHINFER_MODULE) is not None
+    return importlib.util.find_spec(SPARSE_ATTENTION_GATE[0]) is not None
 
 
 def select_sparse_attention(
@@ -176,45 +194,21 @@ def select_sparse_attention(
     capability; without it, on this machine's real platform.
     """
     import torch
-    from vllm.config import AttentionConfig, DeviceConfig, VllmConfig, set_current_vllm_config
 
-    module = importlib.import_module(_SPARSE_ATTENTION_MODULE)
-    logged: list[str] = []
+    def select(module: Any, attention_config: Any) -> type:
+        return module.select_main_backend_and_impl_cls(
+            topk_blocks=topk_blocks,
+            kv_cache_dtype=kv_cache_dtype,
+            num_kv_heads=num_kv_heads,
+            num_heads=num_heads,
+            head_size=head_size,
+            model_dtype=torch.bfloat16,
+        )[1]
 
-    def record(message: str, *args: object, **_: object) -> None:
-        logged.append(message % args if args else message)
-
-    try:
-        attention_config = AttentionConfig(
-            minimax_m3_sparse_attention_backend=sparse_attention_backend
-        )
-    except Exception as exc:  # pydantic names the field and the allowed values
-        return Selection(impl=None, log=None, error=f"{type(exc).__name__}: {exc}")
-    vllm_config = VllmConfig(
-        device_config=DeviceConfig(device="cpu"), attention_config=attention_config
+    options = {SPARSE_ATTENTION_KEY: sparse_attention_backend}
+    return _run_selection(
+        _SPARSE_ATTENTION_MODULE, options, capability, (_SPARSE_ATTENTION_MODULE,), select
     )
-    platform = simulated_cuda_platform(capability) if capability is not None else None
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(set_current_vllm_config(vllm_config))
-        if platform is not None:
-            previous = module.current_platform
-            stack.callback(setattr, module, "current_platform", previous)
-            module.current_platform = platform
-        logger = module.logger
-        stack.callback(setattr, logger, "info_once", logger.info_once)
-        logger.info_once = record
-        try:
-            _, impl_cls = module.select_main_backend_and_impl_cls(
-                topk_blocks=topk_blocks,
-                kv_cache_dtype=kv_cache_dtype,
-                num_kv_heads=num_kv_heads,
-                num_heads=num_heads,
-                head_size=head_size,
-                model_dtype=torch.bfloat16,
-            )
-        except (ValueError, NotImplementedError, ImportError) as exc:
-            return Selection(impl=None, log=None, error=f"{type(exc).__name__}: {exc}")
-    return Selection(impl=impl_cls.__name__, log=logged[-1] if logged else None, error=None)
 
 
 @dataclass(frozen=True)
@@ -245,7 +239,7 @@ def sparse_attention_gate(
     module_name, function_name = SPARSE_ATTENTION_GATE
     if SPARSE_ATTENTION_KEY not in getattr(AttentionConfig, "__dataclass_fields__", {}):
         return GateAnswer(present=False)
-    if importlib.util.find_spec(module_name) is None:
+    if not sparse_attention_in_series():
         return GateAnswer(present=False)
     gate = getattr(importlib.import_module(module_name), function_name, None)
     if not callable(gate):

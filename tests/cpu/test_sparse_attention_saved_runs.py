@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from vllm_minimax.testing.engine_runs import load_run, mean_abs_diff
+
 ROOT = Path(__file__).resolve().parents[2]
 SAVED = ROOT / "results" / "h100" / "sparse-attention" / "engine"
 TEST = ROOT / "tests" / "gpu_e2e" / "test_sparse_attention_engine.py"
@@ -52,9 +54,8 @@ def test_a_flashinfer_run_replaced_by_the_control_fails(tmp_path):
 
 def test_the_bound_separates_the_measured_pair_from_the_control():
     checks = _engine_checks()
-    load = checks.load_run
-    control = checks.mean_abs_diff(load(SAVED, "triton-graphs"), load(SAVED, "triton-bf16-graphs"))
-    real = checks.mean_abs_diff(load(SAVED, "flashinfer-graphs"), load(SAVED, "triton-graphs"))
+    control = mean_abs_diff(load_run(SAVED, "triton-graphs"), load_run(SAVED, "triton-bf16-graphs"))
+    real = mean_abs_diff(load_run(SAVED, "flashinfer-graphs"), load_run(SAVED, "triton-graphs"))
     # The margin: the measured pair sits at about half the bound; the control
     # pair, at 1 x control by definition, is about four times it.
     assert real < 0.75 * checks.RATIO_BOUND * control
