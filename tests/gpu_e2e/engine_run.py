@@ -52,7 +52,6 @@ import traceback
 from pathlib import Path
 
 from vllm_minimax.testing import series_record
-from vllm_minimax.tiny_model import MTP_SUBDIRECTORY
 
 WORKLOADS = {
     # name: [(prompt tokens, max new tokens), ...] in submission order
@@ -161,12 +160,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.mtp:
         from vllm_minimax.testing import mtp_draft
 
-        mtp_draft.install()
-        speculative_config = {
-            "method": "mtp",
-            "model": str(Path(args.model) / MTP_SUBDIRECTORY),
-            "num_speculative_tokens": args.mtp,
-        }
+        speculative_config = mtp_draft.speculative_config(args.model, args.mtp)
 
     started = time.perf_counter()
     llm = LLM(

@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
-from vllm_minimax.testing.engine_runs import flashinfer_jit_files
+from vllm_minimax.testing.engine_runs import generate_seeded_prompts
 
 PROMPT_LENS = (8192, 16384, 24576, 16384)
 
@@ -31,18 +30,12 @@ PROMPT_LENS = (8192, 16384, 24576, 16384)
 def run(args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     speculative_config = None
     if args.mtp:
         from vllm_minimax.testing import mtp_draft
 
-        mtp_draft.install()
-        speculative_config = {
-            "method": "mtp",
-            "model": str(Path(args.model) / "mtp"),
-            "num_speculative_tokens": args.mtp,
-        }
+        speculative_config = mtp_draft.speculative_config(args.model, args.mtp)
     started = time.perf_counter()
     llm = LLM(
         model=args.model,
@@ -62,34 +55,13 @@ def run(args: argparse.Namespace) -> dict:
         speculative_config=speculative_config,
     )
     result: dict = {"engine_start_s": round(time.perf_counter() - started, 1)}
-    rng = random.Random(0)
-    vocab = llm.llm_engine.model_config.get_vocab_size()
-    base = [rng.randrange(10, vocab - 10) for _ in range(max(PROMPT_LENS))]
-    prompts = [TokensPrompt(prompt_token_ids=base[:n]) for n in PROMPT_LENS]
-    before = flashinfer_jit_files()
-    began = time.perf_counter()
-    outputs = llm.generate(
-        prompts,
-        [SamplingParams(temperature=0.0, max_tokens=32, prompt_logprobs=0, logprobs=1)]
-        * len(prompts),
-        use_tqdm=False,
+    result.update(
+        generate_seeded_prompts(
+            llm,
+            PROMPT_LENS,
+            SamplingParams(temperature=0.0, max_tokens=32, prompt_logprobs=0, logprobs=1),
+        )
     )
-    result["generate_s"] = round(time.perf_counter() - began, 2)
-    result["jit_built_after_ready"] = sorted(flashinfer_jit_files() - before)
-    result["requests"] = [
-        {
-            "prompt_logprobs": [
-                None if e is None else e[t].logprob
-                for t, e in zip(o.prompt_token_ids, o.prompt_logprobs, strict=True)
-            ],
-            "tokens": list(o.outputs[0].token_ids),
-            "logprobs": [
-                lp[t].logprob
-                for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)
-            ],
-        }
-        for o in outputs
-    ]
     return result
 
 

@@ -1,8 +1,10 @@
-"""Saved engine runs of tests/gpu_e2e: loading them, comparing their prompt logprobs, and
-listing the FlashInfer programs the engine's JIT cache holds.
+"""Engine runs of tests/gpu_e2e: the prompts and the per-request record the run scripts
+write, loading saved runs, comparing their prompt logprobs, and listing the FlashInfer
+programs the engine's JIT cache holds.
 
-The run scripts (`sparse_attention_engine.py`, `tp_engine.py`) write one JSON per run,
-committed gzip'ed under results/; the checks read either form.
+The run scripts (`sparse_attention_engine.py`, `tp_engine.py`) write one JSON per run
+(`generate_seeded_prompts` makes its `requests`), committed gzip'ed under results/; the
+checks read either form.
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +45,48 @@ def flashinfer_jit_files() -> set[str]:
     were built in between."""
     root = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", Path.home())) / ".cache" / "flashinfer"
     return {str(p) for p in root.rglob("*.so")} if root.exists() else set()
+
+
+def seeded_prompts(vocab_size: int, lengths: Sequence[int]) -> list[list[int]]:
+    """Random token ids from a fixed seed, one prompt per length, each a prefix of the
+    longest: a length given twice repeats its prompt, which the prefix cache then hits."""
+    rng = random.Random(0)
+    base = [rng.randrange(10, vocab_size - 10) for _ in range(max(lengths))]
+    return [base[:n] for n in lengths]
+
+
+def request_record(output: Any) -> dict[str, Any]:
+    """One finished request: the logprob of each prompt token (None for the first), the
+    generated tokens and, when the request asked for them, their sampled logprobs."""
+    completion = output.outputs[0]
+    record: dict[str, Any] = {
+        "prompt_logprobs": [
+            None if entry is None else entry[token].logprob
+            for token, entry in zip(output.prompt_token_ids, output.prompt_logprobs, strict=True)
+        ],
+        "tokens": list(completion.token_ids),
+    }
+    if completion.logprobs is not None:
+        record["logprobs"] = [
+            entry[token].logprob
+            for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
+        ]
+    return record
+
+
+def generate_seeded_prompts(llm: Any, lengths: Sequence[int], params: Any) -> dict[str, Any]:
+    """Run `seeded_prompts` of `lengths` through a ready `vllm.LLM` with `params` (one
+    `SamplingParams` for every prompt): the seconds it took, the FlashInfer programs built
+    meanwhile (``jit_built_after_ready``) and each request's `request_record`."""
+    from vllm.inputs import TokensPrompt
+
+    vocab_size = llm.llm_engine.model_config.get_vocab_size()
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in seeded_prompts(vocab_size, lengths)]
+    before = flashinfer_jit_files()
+    began = time.perf_counter()
+    outputs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
+    return {
+        "generate_s": round(time.perf_counter() - began, 2),
+        "jit_built_after_ready": sorted(flashinfer_jit_files() - before),
+        "requests": [request_record(output) for output in outputs],
+    }

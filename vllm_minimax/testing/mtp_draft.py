@@ -59,6 +59,20 @@ def install() -> None:
     ModelRegistry.register_model(DRAFT_ARCHITECTURE, PREFIXED_DRAFT_CLASS)
 
 
+def speculative_config(model: str | Path, num_speculative_tokens: int) -> dict[str, object]:
+    """`install()`, then vLLM's ``speculative_config`` for the tiny checkpoint `model`'s MTP
+    draft (``model/MTP_SUBDIRECTORY``, written by ``make-tiny-model --mtp-modules N``),
+    speculating `num_speculative_tokens` a step."""
+    from vllm_minimax.tiny_model import MTP_SUBDIRECTORY
+
+    install()
+    return {
+        "method": "mtp",
+        "model": str(Path(model) / MTP_SUBDIRECTORY),
+        "num_speculative_tokens": num_speculative_tokens,
+    }
+
+
 def write_plugin_distribution(directory: Path) -> Path:
     """Declare `install` as a `vllm.general_plugins` entry point in `directory`.
 
