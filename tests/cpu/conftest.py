@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 from patchset_helpers import (
     Changes,
+    RecordedSeries,
     SyntheticSeries,
     copy_python_sources,
     git_run,
     installed_vllm_site,
     real_series_paths,
+    tree_manifest,
 )
 
 from vllm_minimax.patchset import STATE_FILE
@@ -106,6 +108,31 @@ def use_patches_root(monkeypatch: pytest.MonkeyPatch) -> Callable[[Path], None]:
         monkeypatch.setenv("VLLM_MINIMAX_PATCHES", str(root))
 
     return point_at
+
+
+@pytest.fixture
+def make_recorded_series(
+    make_series: Callable[..., SyntheticSeries],
+    use_patches_root: Callable[[Path], None],
+    capsys: pytest.CaptureFixture[str],
+) -> Callable[[dict[str, str], list[tuple[str, Changes]]], RecordedSeries]:
+    """Build a synthetic series (``make_series``), make it the one the CLI applies, and apply
+    and revert it once through the CLI, recording the target's manifest in both states; the
+    commands' output is discarded."""
+    from vllm_minimax.cli import main
+
+    def build(files: dict[str, str], commits: list[tuple[str, Changes]]) -> RecordedSeries:
+        series = make_series(files, commits)
+        use_patches_root(series.patches_root)
+        pristine = tree_manifest(series.target)
+        assert main(["apply", "--target", str(series.target)]) == 0
+        applied = tree_manifest(series.target)
+        assert main(["revert", "--target", str(series.target)]) == 0
+        assert tree_manifest(series.target) == pristine
+        capsys.readouterr()
+        return RecordedSeries(series, pristine, applied)
+
+    return build
 
 
 @pytest.fixture(autouse=True)

@@ -83,6 +83,23 @@ class SyntheticSeries:
     patch_names: list[str]
 
 
+@dataclass
+class RecordedSeries:
+    """A synthetic series that applied and reverted cleanly on its target, with the target's
+    manifests when pristine and when applied (the two states a command may leave)."""
+
+    series: SyntheticSeries
+    pristine: dict[str, str]
+    applied: dict[str, str]
+
+    @property
+    def target(self) -> Path:
+        return self.series.target
+
+    def manifest(self) -> dict[str, str]:
+        return tree_manifest(self.target)
+
+
 def git_run(directory: Path, *arguments: str) -> str:
     env = {key: value for key, value in os.environ.items() if not key.startswith("GIT_")}
     env.update(

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from patchset_helpers import SyntheticSeries, tree_manifest
+from patchset_helpers import RecordedSeries, tree_manifest
 
 from vllm_minimax import patchset
 from vllm_minimax.cli import main
@@ -44,49 +44,32 @@ WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT
 
 
 @dataclass
-class Scene:
-    """A target, a directory beside it that must never change, and their manifests."""
+class Scene(RecordedSeries):
+    """The recorded target, and a directory beside it that must never change."""
 
-    target: Path
     outside: Path
-    pristine: dict[str, str]
-    applied: dict[str, str]
-
-    def manifest(self) -> dict[str, str]:
-        return tree_manifest(self.target)
 
     def outside_manifest(self) -> dict[str, str]:
         return tree_manifest(self.outside)
 
 
 @pytest.fixture
-def scene(
-    make_series: Callable[..., SyntheticSeries],
-    use_patches_root: Callable[[Path], None],
-    capsys: pytest.CaptureFixture[str],
-) -> Scene:
+def scene(make_recorded_series: Callable[..., RecordedSeries]) -> Scene:
     alpha = BASE_FILES["vllm/alpha.py"].replace("alpha line 5\n", "alpha line 5 patched\n")
     beta = BASE_FILES["vllm/beta.py"].replace("beta line 30\n", "beta line 30 patched\n")
-    series = make_series(
+    recorded = make_recorded_series(
         BASE_FILES,
         [
             ("Patch alpha", {"vllm/alpha.py": alpha, "vllm/new/pkg/gamma.py": "gamma = 1\n"}),
             ("Patch beta, drop delta", {"vllm/beta.py": beta, "vllm/delta.py": None}),
         ],
     )
-    use_patches_root(series.patches_root)
-    outside = series.target.parent / "outside"
+    outside = recorded.target.parent / "outside"
     outside.mkdir()
     (outside / "victim.txt").write_text("someone else's file\n")
     (outside / "victim.txt").chmod(0o600)
     (outside / "emptydir").mkdir()
-    pristine = tree_manifest(series.target)
-    assert main(["apply", "--target", str(series.target)]) == 0
-    applied = tree_manifest(series.target)
-    assert main(["revert", "--target", str(series.target)]) == 0
-    assert tree_manifest(series.target) == pristine
-    capsys.readouterr()
-    return Scene(series.target, outside, pristine, applied)
+    return Scene(recorded.series, recorded.pristine, recorded.applied, outside)
 
 
 def litter(root: Path) -> list[str]:

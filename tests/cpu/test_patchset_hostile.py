@@ -15,12 +15,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from patchset_helpers import SyntheticSeries, tree_manifest
+from patchset_helpers import RecordedSeries
 
 import vllm_minimax
 from vllm_minimax.cli import main
@@ -36,39 +35,14 @@ BASE_FILES = {
 TERMINAL_CONTROLS = ("\x1b", "\x07", "\r", "\u202e")
 
 
-@dataclass
-class Scene:
-    series: SyntheticSeries
-    pristine: dict[str, str]
-    applied: dict[str, str]
-
-    @property
-    def target(self) -> Path:
-        return self.series.target
-
-    def manifest(self) -> dict[str, str]:
-        return tree_manifest(self.target)
-
-
 @pytest.fixture
-def scene(
-    make_series: Callable[..., SyntheticSeries],
-    use_patches_root: Callable[[Path], None],
-    capsys: pytest.CaptureFixture[str],
-) -> Scene:
+def scene(make_recorded_series: Callable[..., RecordedSeries]) -> RecordedSeries:
     alpha = BASE_FILES["vllm/alpha.py"].replace("alpha line 5\n", "alpha line 5 patched\n")
     beta = BASE_FILES["vllm/beta.py"].replace("beta line 30\n", "beta line 30 patched\n")
-    series = make_series(
+    return make_recorded_series(
         BASE_FILES,
         [("Patch alpha and beta", {"vllm/alpha.py": alpha, "vllm/beta.py": beta})],
     )
-    use_patches_root(series.patches_root)
-    pristine = tree_manifest(series.target)
-    assert main(["apply", "--target", str(series.target)]) == 0
-    applied = tree_manifest(series.target)
-    assert main(["revert", "--target", str(series.target)]) == 0
-    capsys.readouterr()
-    return Scene(series, pristine, applied)
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -84,7 +58,7 @@ def one_line(err: str) -> str:
     return lines[0]
 
 
-def edit_state(scene: Scene, change: Callable[[dict[str, Any]], None]) -> None:
+def edit_state(scene: RecordedSeries, change: Callable[[dict[str, Any]], None]) -> None:
     path = scene.target / STATE_FILE
     state = json.loads(path.read_text())
     change(state)
@@ -92,7 +66,7 @@ def edit_state(scene: Scene, change: Callable[[dict[str, Any]], None]) -> None:
 
 
 def program(
-    argv: list[str], scene: Scene, **kwargs: Any
+    argv: list[str], scene: RecordedSeries, **kwargs: Any
 ) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:
     env = {
         **os.environ,
@@ -114,7 +88,9 @@ def assert_not_forged(text: str) -> None:
     assert sum(line.startswith("state:") for line in text.splitlines()) <= 1, text
 
 
-def test_a_state_file_cannot_forge_output(scene: Scene, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_state_file_cannot_forge_output(
+    scene: RecordedSeries, capsys: pytest.CaptureFixture[str]
+) -> None:
     forged = "vllm-9.9.9\x1b]0;owned\x07\x1b[2J\nstate:        applied (vllm-9.9.9)\u202e"
     assert main(["apply", "--target", str(scene.target)]) == 0
     edit_state(scene, lambda state: state.update(series=forged))
@@ -128,7 +104,7 @@ def test_a_state_file_cannot_forge_output(scene: Scene, capsys: pytest.CaptureFi
 
 
 def test_a_leftover_name_cannot_forge_output(
-    scene: Scene, capsys: pytest.CaptureFixture[str]
+    scene: RecordedSeries, capsys: pytest.CaptureFixture[str]
 ) -> None:
     name = ".x\x1b[2J\nstate:        applied (vllm-9.9.9)\r.py" + TEMP_SUFFIX
     (scene.target / "vllm" / name).write_text("left by a killed run\n")
@@ -143,7 +119,7 @@ def test_a_leftover_name_cannot_forge_output(
 
 
 def test_a_version_file_cannot_forge_output(
-    scene: Scene, capsys: pytest.CaptureFixture[str]
+    scene: RecordedSeries, capsys: pytest.CaptureFixture[str]
 ) -> None:
     version_file = scene.target / "vllm" / "_version.py"
     version_file.write_text("__version__ = '9.9.9\x1b]0;owned\x07\nstate: applied'\n")
@@ -161,7 +137,7 @@ def test_a_version_file_cannot_forge_output(
 
 
 def test_the_version_cannot_name_another_series_directory(
-    scene: Scene, capsys: pytest.CaptureFixture[str]
+    scene: RecordedSeries, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A version of ``9.9.9/../../evil`` would join to a directory beside the patches root."""
     series_root = scene.series.patches_root
@@ -187,7 +163,7 @@ def test_the_version_cannot_name_another_series_directory(
 
 @pytest.mark.parametrize("mode", [0o000, 0o640, 0o755])
 def test_revert_restores_the_exact_mode(
-    scene: Scene, capsys: pytest.CaptureFixture[str], mode: int
+    scene: RecordedSeries, capsys: pytest.CaptureFixture[str], mode: int
 ) -> None:
     alpha = scene.target / "vllm" / "alpha.py"
     if mode == 0 and os.geteuid() != 0:
@@ -207,7 +183,7 @@ def test_revert_restores_the_exact_mode(
 # ------------------------------------------------------------------------------------------
 
 
-def test_apply_into_a_full_stdout_reports_success(scene: Scene) -> None:
+def test_apply_into_a_full_stdout_reports_success(scene: RecordedSeries) -> None:
     with open("/dev/full", "w") as full:
         done = program(["apply", "--target", str(scene.target)], scene, stdout=full, stderr=-1)
     assert isinstance(done, subprocess.CompletedProcess)
@@ -217,7 +193,7 @@ def test_apply_into_a_full_stdout_reports_success(scene: Scene) -> None:
     assert scene.manifest() == scene.applied
 
 
-def test_revert_into_a_closed_pipe_reports_success(scene: Scene) -> None:
+def test_revert_into_a_closed_pipe_reports_success(scene: RecordedSeries) -> None:
     assert main(["apply", "--target", str(scene.target)]) == 0
     read_end, write_end = os.pipe()
     os.close(read_end)  # `vllm-minimax revert | head -1` once head has exited
@@ -241,7 +217,7 @@ def test_revert_into_a_closed_pipe_reports_success(scene: Scene) -> None:
 
 @pytest.mark.parametrize("depth", [100_000])
 def test_a_deeply_nested_state_file_is_one_line(
-    scene: Scene, capsys: pytest.CaptureFixture[str], depth: int
+    scene: RecordedSeries, capsys: pytest.CaptureFixture[str], depth: int
 ) -> None:
     (scene.target / STATE_FILE).write_text(
         '{"format": 1, "files": ' + "[" * depth + "]" * depth + "}"
@@ -255,7 +231,7 @@ def test_a_deeply_nested_state_file_is_one_line(
 
 
 def test_an_unreadable_patches_directory_is_one_line(
-    scene: Scene, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    scene: RecordedSeries, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Root reads a directory of mode 000, so the refusal is injected where the listing is."""
     unreadable = scene.series.patches_root
@@ -279,7 +255,7 @@ def test_an_unreadable_patches_directory_is_one_line(
     assert scene.manifest() == scene.pristine
 
 
-def test_ctrl_c_while_the_program_starts_is_one_line(scene: Scene) -> None:
+def test_ctrl_c_while_the_program_starts_is_one_line(scene: RecordedSeries) -> None:
     """SIGINT at a sweep of moments from the start, imports included: never a traceback."""
     env = {
         **os.environ,
@@ -316,7 +292,7 @@ def test_ctrl_c_while_the_program_starts_is_one_line(scene: Scene) -> None:
 
 
 def test_a_failed_fsync_names_the_file(
-    scene: Scene, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    scene: RecordedSeries, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """fsync's OSError carries no file name; the message names a file of the target."""
     real_fsync = os.fsync
@@ -362,7 +338,7 @@ def test_an_empty_path_is_refused(
 
 
 def test_a_bad_mode_in_the_state_file_is_shown_in_octal(
-    scene: Scene, capsys: pytest.CaptureFixture[str]
+    scene: RecordedSeries, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["apply", "--target", str(scene.target)]) == 0
 
@@ -394,7 +370,7 @@ def named_path(path: Any, dir_fd: int | None) -> str:
 
 @pytest.mark.parametrize("command", ["apply", "revert"])
 def test_every_new_file_is_fsynced_before_its_rename(
-    scene: Scene,
+    scene: RecordedSeries,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
     command: str,
@@ -424,7 +400,7 @@ def test_every_new_file_is_fsynced_before_its_rename(
 
 
 def test_revert_that_wrote_wrong_bytes_rolls_back(
-    scene: Scene, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    scene: RecordedSeries, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A write that loses its last byte without an error (what a failing disk or a buggy
     file system can do) is caught by revert's check of what it wrote."""
