@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -278,3 +279,119 @@ def test_failed_warmup_logs_and_lets_the_engine_start(monkeypatch, caplog):
         jit.compile(geometry)  # must not raise
     assert geometry in jit._compiled_cache
     assert "did not finish" in caplog.text and "AttributeError" in caplog.text
+
+
+def _layer_view(layout_name: str, heads: int) -> torch.Tensor:
+    """Layer 0's `[pages, heads, 128, 256]` fp8 cache view, with the byte strides vLLM's
+    `compute_layout_strides` gives a two-layer pool under `layout_name`."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, compute_layout_strides
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = FullAttentionSpec(
+        block_size=128, num_kv_heads=heads, head_size=128, dtype=torch.float8_e4m3fn
+    )
+    pages, layers = 3, 2
+    strides = compute_layout_strides(spec, pages, layers, KVCacheLayout[layout_name])
+    pool = torch.zeros(layers * pages * heads * 128 * 256, dtype=torch.uint8)
+    return pool.as_strided((pages, heads, 128, 256), strides[1:])
+
+
+def test_the_backend_asks_for_the_layout_whose_pages_the_kernels_read():
+    import importlib
+
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    module = importlib.import_module(FA_MODULE)
+    layouts = module.MiniMaxM3SparseFlashInferBackend.supported_kv_cache_layouts()
+    # Preferred first; every layout stays acceptable (Triton attends where pages are not dense).
+    assert layouts[0] is KVCacheLayout.LBHNC
+    assert sorted(layouts, key=lambda x: x.name) == sorted(KVCacheLayout, key=lambda x: x.name)
+    # Under the preferred layout, several KV heads per rank still give dense pages.
+    for heads in (1, 2, 4):
+        assert module.dense_interleaved_view(_layer_view("LBHNC", heads)) is not None
+    assert module.dense_interleaved_view(_layer_view("LBNHC", 1)) is not None
+    assert module.dense_interleaved_view(_layer_view("LBNHC", 2)) is None
+    assert module.dense_interleaved_view(_layer_view("BLHNC", 1)) is None
+
+
+def _impl(heads: int, kv_heads: int):
+    import importlib
+
+    from vllm_minimax.testing import sparse_attention_cases as cases
+
+    module = importlib.import_module(FA_MODULE)
+    shape = cases.StepShape(num_heads=heads, num_kv_heads=kv_heads)
+    return cases.make_impl(
+        module.MiniMaxM3SparseFlashInferImpl, shape, scale=0.088, kv_cache_dtype="fp8"
+    )
+
+
+def test_the_cache_views_are_resolved_once_per_bound_cache(monkeypatch):
+    import importlib
+
+    module = importlib.import_module(FA_MODULE)
+    resolved = []
+    real = module.dense_interleaved_view
+    monkeypatch.setattr(
+        module, "dense_interleaved_view", lambda cache: resolved.append(1) or real(cache)
+    )
+    impl = _impl(16, 2)
+    hnd, nhd = _cache(3, 2, "HND"), _cache(3, 2, "NHD")
+    for _ in range(3):
+        views = impl.cache_views(hnd)
+    assert len(resolved) == 1
+    assert views is not None
+    kv, k, v = views
+    assert kv.dtype == torch.float8_e4m3fn and kv.data_ptr() == hnd.data_ptr()
+    assert (k.shape, v.shape) == ((3, 2, 128, 128), (3, 2, 128, 128))
+    assert v.data_ptr() - k.data_ptr() == 128
+    # A new bound cache is resolved again; one whose pages are not dense gets Triton.
+    assert impl.cache_views(nhd) is None and impl.cache_views(nhd) is None
+    assert len(resolved) == 2
+
+
+class _Layer:
+    def __init__(self, impl, kv_cache: torch.Tensor) -> None:
+        self.impl = impl
+        self.kv_cache = kv_cache
+
+
+@pytest.mark.parametrize(("layout", "triton"), [("HND", False), ("NHD", True)])
+def test_the_warmup_builds_the_triton_decode_of_layers_flashinfer_cannot_read(
+    monkeypatch, layout, triton
+):
+    """The warm-up runs once the caches are bound: two KV heads under NHD send the layer
+    to Triton, whose decode kernels then have to be built before the engine is ready."""
+    import importlib
+
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    module = importlib.import_module(FA_MODULE)
+    # What the registration reads of an engine's config (a CPU VllmConfig has no model).
+    config = SimpleNamespace(
+        kernel_config=SimpleNamespace(enable_jit_warmup=True),
+        speculative_config=SimpleNamespace(num_speculative_tokens=1),
+        model_config=SimpleNamespace(dtype=torch.bfloat16, max_model_len=40000),
+        scheduler_config=SimpleNamespace(max_num_seqs=48, max_num_batched_tokens=6144),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+    )
+    flashinfer_launches, triton_launches = [], []
+    monkeypatch.setattr(module, "run_warmup_launch", lambda *a: flashinfer_launches.append(a))
+    monkeypatch.setattr(module, "run_decode_launch", lambda *a: triton_launches.append(a))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: None)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        impl = _impl(16, 2)
+        layer = _Layer(impl, _cache(3, 2, layout))
+        jit = module._SparseAttentionJit()
+        monkeypatch.setattr(module, "_JIT", jit)
+        module.register_sparse_attention_warmup(layer, config)
+        # The registration dedupes by geometry; every layer of it is checked.
+        module.register_sparse_attention_warmup(_Layer(impl, _cache(3, 2, "HND")), config)
+        (geometry,) = jit._layers
+        jit.compile(geometry)
+    assert flashinfer_launches
+    expected = importlib.import_module(
+        "vllm.models.minimax_m3.common.sparse_attn_decode_warmup"
+    ).decode_warmup_launches(module.sparse_decode_geometry(impl._triton, config))
+    assert [launch for _, launch, _ in triton_launches] == (expected if triton else [])
