@@ -1,9 +1,10 @@
-"""Ask the patched vLLM which MiniMax M3 indexer it would select.
+"""Ask the patched vLLM which MiniMax M3 indexer and sparse attention it would select.
 
-`select_indexer` calls vLLM's own `select_indexer_impl_cls` (never a copy of its
-rules) under a given attention config, optionally on a simulated CUDA GPU of a
-given compute capability, and returns the class it picked together with the
-line it logged, or the error it raised. `vllm-minimax doctor` and the CPU tests
+`select_indexer` and `select_sparse_attention` call vLLM's own
+`select_indexer_impl_cls` and `select_main_backend_and_impl_cls` (never a copy of
+their rules) under a given attention config, optionally on a simulated CUDA GPU of
+a given compute capability, and return the class picked together with the line
+logged, or the error raised. `vllm-minimax doctor` and the CPU tests
 both go through here.
 """
 
@@ -23,13 +24,8 @@ _PLATFORM_USERS = (
     "vllm.models.minimax_m3.nvidia.indexer_flashinfer_gate",
 )
 _SELECTION_MODULE = "vllm.models.minimax_m3.common.indexer"
-# Where a series that selects MiniMax M3's sparse attention backend exposes its gate: a
-# function of the keyword arguments `sparse_attention_gate` passes that returns
-# (FlashInfer can run, the reason it cannot). None of the current series has one.
-SPARSE_ATTENTION_GATE = (
-    "vllm.models.minimax_m3.nvidia.sparse_attention_flashinfer",
-    "flashinfer_sparse_attention_blocker",
-)
+# The module a series with the FlashInfer sparse attention adds to vLLM.
+SPARSE_ATTENTION_FLASHINFER_MODULE = "vllm.models.minimax_m3.nvidia.sparse_attention_flashinfer"
 SPARSE_ATTENTION_KEY = "minimax_m3_sparse_attention_backend"
 
 
@@ -174,7 +170,7 @@ _SPARSE_ATTENTION_MODULE = "vllm.models.minimax_m3.common.sparse_attention"
 
 def sparse_attention_in_series() -> bool:
     """Whether the vLLM this Python imports carries the FlashInfer sparse attention."""
-    return importlib.util.find_spec(SPARSE_ATTENTION_GATE[0]) is not None
+    return importlib.util.find_spec(SPARSE_ATTENTION_FLASHINFER_MODULE) is not None
 
 
 def select_sparse_attention(
@@ -209,55 +205,3 @@ def select_sparse_attention(
     return _run_selection(
         _SPARSE_ATTENTION_MODULE, options, capability, (_SPARSE_ATTENTION_MODULE,), select
     )
-
-
-@dataclass(frozen=True)
-class GateAnswer:
-    """What a series' sparse-attention gate said, or that the series has none."""
-
-    present: bool
-    usable: bool = False
-    reason: str | None = None
-
-
-def sparse_attention_gate(
-    *,
-    kv_cache_dtype: str,
-    head_dim: int,
-    block_size: int,
-    topk_blocks: int,
-    num_queries_per_kv: int,
-    capability: tuple[int, int] | None = None,
-) -> GateAnswer:
-    """Ask the applied series whether FlashInfer can run MiniMax M3's sparse attention.
-
-    A series without the selection (no `SPARSE_ATTENTION_KEY` in vLLM's `AttentionConfig`,
-    or no `SPARSE_ATTENTION_GATE` function) answers `present=False`.
-    """
-    from vllm.config import AttentionConfig
-
-    module_name, function_name = SPARSE_ATTENTION_GATE
-    if SPARSE_ATTENTION_KEY not in getattr(AttentionConfig, "__dataclass_fields__", {}):
-        return GateAnswer(present=False)
-    if not sparse_attention_in_series():
-        return GateAnswer(present=False)
-    gate = getattr(importlib.import_module(module_name), function_name, None)
-    if not callable(gate):
-        return GateAnswer(present=False)
-    import torch
-
-    if capability is None:
-        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
-    # The gate takes the rank's head counts; their ratio is what it checks.
-    reason = gate(
-        capability=None if capability is None else capability[0] * 10 + capability[1],
-        kv_cache_dtype=kv_cache_dtype,
-        model_dtype=torch.bfloat16,
-        head_size=head_dim,
-        sparse_block_size=block_size,
-        topk_blocks=topk_blocks,
-        num_heads=num_queries_per_kv,
-        num_kv_heads=1,
-    )
-    usable = reason is None
-    return GateAnswer(present=True, usable=bool(usable), reason=reason)

@@ -1,8 +1,9 @@
 """What a `vllm serve` configuration selects for MiniMax M3, one row per component.
 
 `select_rows` takes a parsed serve config and a GPU capability and returns the rows doctor
-prints: the indexer (vLLM's own `select_indexer_impl_cls`, through `vllm_minimax.probe`)
-and the sparse attention. Each row says the backend, why, whether the engine runs as
+prints: the indexer and the sparse attention, each from vLLM's own selection
+(`select_indexer_impl_cls`, `select_main_backend_and_impl_cls`) through
+`vllm_minimax.probe`. Each row says the backend, why, whether the engine runs as
 configured, and for a fallback or a failure the config key (or doctor flag) that changes it.
 """
 
@@ -119,8 +120,8 @@ def sparse_attention_rule(
 ) -> tuple[bool, str | None]:
     """Whether FlashInfer's sparse attention can serve MiniMax M3 here, else the first unmet
     condition: SM90, an fp8 e4m3 KV cache, head dim 128, 128-token pages, top-16 blocks, and
-    8 or 16 query heads per KV head on a rank. Takes what `probe.sparse_attention_gate`
-    passes a series' gate."""
+    8 or 16 query heads per KV head on a rank: what a series without the FlashInfer attend
+    would select once it has one."""
     if capability != (9, 0):
         found = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
         return False, f"compute capability {found}; FlashInfer's sparse attention runs on 9.0"
@@ -146,12 +147,11 @@ def sparse_attention_rule(
 
 
 def sparse_attention_hint(reason: str) -> str:
+    """The key that changes the sparse attention's outcome, from vLLM's reason."""
     if "kv-cache-dtype" in reason or "KV cache is" in reason:
         return "kv-cache-dtype: fp8 in the config"
     if "query heads per KV head" in reason or "KV heads per rank" in reason:
         return "tensor-parallel-size (query heads per KV head at a rank: 8 at TP 8, 16 at TP 1-4)"
-    if "block-size" in reason:
-        return "block-size: 128 in the config"
     if "compute capability" in reason:
         return "none in the config: FlashInfer's sparse attention runs on 9.0 only"
     return f"attention-config.{probe.SPARSE_ATTENTION_KEY}"
@@ -160,18 +160,19 @@ def sparse_attention_hint(reason: str) -> str:
 def sparse_attention_row(
     config: ServeConfig, capability: tuple[int, int], *, simulated: bool = True
 ) -> Row:
-    """The sparse attention backend, from the applied series' gate; a series without one
-    selects nothing, and the row says what `sparse_attention_rule` expects once it does."""
-    geometry = {
-        "kv_cache_dtype": config.kv_cache_dtype_resolved,
-        "head_dim": M3_HEAD_DIM,
-        "block_size": config.block_size or M3_SPARSE_BLOCK,
-        "topk_blocks": M3_TOPK_BLOCKS,
-        "num_queries_per_kv": config.queries_per_kv_head,
-    }
-    answer = probe.sparse_attention_gate(capability=capability if simulated else None, **geometry)
-    if not answer.present:
-        usable, reason = sparse_attention_rule(capability=capability, **geometry)
+    """vLLM's sparse-attention selection (`select_main_backend_and_impl_cls`, through
+    `vllm_minimax.probe`) on a simulated GPU of `capability` (`simulated=False`: this
+    machine's). A series without the FlashInfer attend selects nothing of its own, and the
+    row says what `sparse_attention_rule` expects once it does."""
+    if not probe.sparse_attention_in_series():
+        usable, reason = sparse_attention_rule(
+            capability=capability,
+            kv_cache_dtype=config.kv_cache_dtype_resolved,
+            head_dim=M3_HEAD_DIM,
+            block_size=config.block_size or M3_SPARSE_BLOCK,
+            topk_blocks=M3_TOPK_BLOCKS,
+            num_queries_per_kv=config.queries_per_kv_head,
+        )
         expected = "FlashInfer" if usable else f"Triton ({reason})"
         return Row(
             "sparse attention",
@@ -181,34 +182,38 @@ def sparse_attention_row(
             Outcome.INFO,
         )
     key = config.sparse_attention_backend
-    reason = answer.reason or "FlashInfer cannot run here"
-    if key == "triton":
-        forced = f"{probe.SPARSE_ATTENTION_KEY}='triton'"
-        return Row("sparse attention", "Triton", forced, Outcome.READY)
-    if answer.usable:
-        return Row("sparse attention", "FlashInfer", "the gate passes", Outcome.READY)
-    if key == "flashinfer":
+    selection = probe.select_sparse_attention(
+        kv_cache_dtype=config.kv_cache_dtype_resolved,
+        num_heads=config.query_heads_per_rank,
+        num_kv_heads=config.kv_heads_per_rank,
+        topk_blocks=M3_TOPK_BLOCKS,
+        head_size=M3_HEAD_DIM,
+        sparse_attention_backend=key,
+        capability=capability if simulated else None,
+    )
+    if selection.error is not None:
         return Row(
             "sparse attention",
             "-",
-            f"{probe.SPARSE_ATTENTION_KEY}='flashinfer' cannot run here: {reason}",
+            selection.error,
             Outcome.FAILS,
-            sparse_attention_hint(reason),
+            sparse_attention_hint(selection.error),
         )
+    backend = (selection.impl or "?").removeprefix("MiniMaxM3Sparse").removesuffix("Impl")
+    log = selection.log or ""
+    if backend != "Triton" or key == "triton":
+        return Row("sparse attention", backend, log, Outcome.READY)
     if config.kv_cache_dtype_resolved not in ("fp8", "fp8_e4m3"):
         # A bf16 (or e5m2) KV cache is the config's choice, and Triton its attend: nothing
         # falls back. The hint says what would change it.
         return Row(
             "sparse attention",
-            "Triton",
-            f"as configured: {reason}",
+            backend,
+            f"as configured: {log}",
             Outcome.READY,
-            sparse_attention_hint(reason),
+            sparse_attention_hint(log),
         )
-    return Row(
-        "sparse attention",
-        "Triton",
-        f"FlashInfer not used: {reason}",
-        Outcome.FALLBACK,
-        sparse_attention_hint(reason),
-    )
+    if "FlashInfer not used" not in log:
+        # No FlashInfer attend exists for this GPU: Triton is vLLM's own choice.
+        return Row("sparse attention", backend, log, Outcome.READY)
+    return Row("sparse attention", backend, log, Outcome.FALLBACK, sparse_attention_hint(log))

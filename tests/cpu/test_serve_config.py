@@ -153,39 +153,71 @@ def test_the_sparse_attention_rule(change: dict[str, object], reason: str | None
     assert (why is None) if reason is None else (reason in (why or ""))
 
 
-def gate(present: bool, usable: bool = False, reason: str | None = None):
+FI_LOG = "MiniMax M3 sparse attention: selected FlashInfer (...)"
+BF16_LOG = (
+    "MiniMax M3 sparse attention: selected Triton (FlashInfer not used: kv_cache_dtype=auto;"
+    " FlashInfer's SM90 MSA attention reads an fp8 e4m3 KV cache: set --kv-cache-dtype fp8)"
+)
+NO_BUILD_LOG = "MiniMax M3 sparse attention: selected Triton (FlashInfer not used: no build)"
+OWN_TRITON_LOG = "MiniMax M3 sparse attention selected Triton (kv_cache_dtype=fp8, topk_blocks=16)"
+
+
+def chose(impl: str | None, log: str | None = None, error: str | None = None):
     from vllm_minimax import probe
 
-    return lambda **_: probe.GateAnswer(present=present, usable=usable, reason=reason)
+    return lambda **_: probe.Selection(impl=impl, log=log, error=error)
 
 
 @pytest.mark.parametrize(
-    ("key", "answer", "backend", "outcome"),
+    ("key", "kv", "answer", "backend", "outcome"),
     [
-        ("auto", gate(True, True), "FlashInfer", selection.Outcome.READY),
-        ("auto", gate(True, False, "KV cache is bf16"), "Triton", selection.Outcome.READY),
-        ("auto", gate(True, False, "no build"), "Triton", selection.Outcome.FALLBACK),
-        ("triton", gate(True, True), "Triton", selection.Outcome.READY),
-        ("flashinfer", gate(True, False, "KV cache is bf16"), "-", selection.Outcome.FAILS),
-        ("auto", gate(False), "not in this series", selection.Outcome.INFO),
+        ("auto", "fp8", chose("MiniMaxM3SparseFlashInferImpl", FI_LOG), "FlashInfer", "READY"),
+        ("auto", "auto", chose("MiniMaxM3SparseTritonImpl", BF16_LOG), "Triton", "READY"),
+        ("auto", "fp8", chose("MiniMaxM3SparseTritonImpl", NO_BUILD_LOG), "Triton", "FALLBACK"),
+        # A GPU with no FlashInfer attend (12.0): Triton is vLLM's own choice there.
+        ("auto", "fp8", chose("MiniMaxM3SparseTritonImpl", OWN_TRITON_LOG), "Triton", "READY"),
+        # SM100 attends with vLLM's own MSA kernels.
+        ("auto", "fp8", chose("MiniMaxM3SparseMSAImpl", "selected MSA"), "MSA", "READY"),
+        (
+            "triton",
+            "fp8",
+            chose("MiniMaxM3SparseTritonImpl", "backend='triton'"),
+            "Triton",
+            "READY",
+        ),
+        (
+            "flashinfer",
+            "auto",
+            chose(None, error="ValueError: cannot run here: set --kv-cache-dtype fp8"),
+            "-",
+            "FAILS",
+        ),
     ],
 )
-def test_the_sparse_attention_row(monkeypatch, key, answer, backend, outcome) -> None:
+def test_the_sparse_attention_row(monkeypatch, key, kv, answer, backend, outcome) -> None:
     from vllm_minimax import probe
 
-    monkeypatch.setattr(probe, "sparse_attention_gate", answer)
-    # A bf16 KV cache is a choice (Triton as configured); an fp8 one that FlashInfer cannot
-    # read is a fallback.
-    bf16 = answer().reason == "KV cache is bf16"
+    monkeypatch.setattr(probe, "sparse_attention_in_series", lambda: True)
+    monkeypatch.setattr(probe, "select_sparse_attention", answer)
     config = ServeConfig(
         source="test",
-        kv_cache_dtype="auto" if bf16 else "fp8",
+        kv_cache_dtype=kv,
         attention_config={"indexer_kv_dtype": "fp8", probe.SPARSE_ATTENTION_KEY: key},
     )
     row = selection.sparse_attention_row(config, (9, 0))
-    assert (row.backend, row.outcome) == (backend, outcome)
-    if bf16 and outcome in (selection.Outcome.READY, selection.Outcome.FAILS) and key != "triton":
+    assert (row.backend, row.outcome) == (backend, selection.Outcome[outcome])
+    if kv == "auto" and key != "triton":
+        # A bf16 KV cache is a choice (Triton as configured); the hint says what changes it.
         assert row.hint == "kv-cache-dtype: fp8 in the config"
+
+
+def test_a_series_without_the_sparse_attention_selection(monkeypatch) -> None:
+    from vllm_minimax import probe
+
+    monkeypatch.setattr(probe, "sparse_attention_in_series", lambda: False)
+    row = selection.sparse_attention_row(ServeConfig(source="test", kv_cache_dtype="fp8"), (9, 0))
+    assert (row.backend, row.outcome) == ("not in this series", selection.Outcome.INFO)
+    assert "would get FlashInfer" in row.reason
 
 
 # The pages a user follows; every `--config` they give works from any directory.

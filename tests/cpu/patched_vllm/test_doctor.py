@@ -73,8 +73,13 @@ def test_the_shipped_h200_config_runs_flashinfer_on_sm90(doctor_run):
     assert found["indexer"].startswith("FlashInfer: MiniMax M3 indexer: selected FlashInfer")
     direct = probe.select_indexer(indexer_kv_dtype="fp8", capability=(9, 0))
     assert found["indexer"] == f"FlashInfer: {direct.log}"
-    # The shipped config keeps a bf16 KV cache: Triton attends, as configured.
-    assert found["sparse attention"].startswith("Triton: as configured: kv_cache_dtype=bf16")
+    # The shipped config keeps a bf16 KV cache: Triton attends, as configured, and the row
+    # is vLLM's own selection.
+    attend = probe.select_sparse_attention(kv_cache_dtype="bf16", capability=(9, 0))
+    assert attend.impl == "MiniMaxM3SparseTritonImpl", attend
+    assert found["sparse attention"] == (
+        f"Triton: as configured: {attend.log} | change: kv-cache-dtype: fp8 in the config"
+    )
     assert "result:       runs as configured (exit 0)" in out
 
 
@@ -202,6 +207,22 @@ def test_an_sm100_gpu_gets_vllms_own_msa_indexer(doctor_run):
     code, out = doctor_run("--capability", "10.0")
     assert code == doctor.EXIT_READY, out
     assert rows(out)["indexer"].startswith("MSA: ")
+
+
+def test_an_sm100_gpu_with_an_fp8_kv_cache_attends_with_vllms_own_msa(doctor_run, tmp_path):
+    """The row is vLLM's selection, not FlashInfer's gate alone: SM100 runs its MSA attend."""
+    code, out = doctor_run("--capability", "10.0", "--kv-cache-dtype", "fp8")
+    assert code == doctor.EXIT_READY, out
+    assert rows(out)["sparse attention"].startswith("MSA: "), out
+    # Forcing FlashInfer there is refused at start-up, with vLLM's reason.
+    config = tmp_path / "forced.yaml"
+    config.write_text(
+        "tensor-parallel-size: 8\nkv-cache-dtype: fp8\nattention-config:\n"
+        f"  {probe.SPARSE_ATTENTION_KEY}: flashinfer\n"
+    )
+    code, out = doctor_run("--config", str(config), "--capability", "10.0")
+    assert code == doctor.EXIT_FAILS, out
+    assert "runs the SM100 MSA attention" in rows(out)["sparse attention"], out
 
 
 def test_what_torch_and_vllm_print_stays_off_the_terminal(patched_vllm_root, capfd, monkeypatch):
