@@ -157,8 +157,10 @@ def test_scales_other_than_one(env):
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_two_kv_heads_per_rank(env, layout):
-    """TP 2's geometry: under HND FlashInfer prefills in place; under NHD the
-    cache is not dense, so the prefill attends with Triton (the decode stays)."""
+    """TP 2's geometry: under HND (vLLM's LBHNC, which the backend asks for)
+    FlashInfer attends in place; under NHD the pages are not dense, so the whole
+    step attends with Triton."""
+    fa, _, _ = env
     shape = cases.StepShape(
         num_heads=32,
         num_kv_heads=2,
@@ -166,6 +168,11 @@ def test_two_kv_heads_per_rank(env, layout):
         prefills=((2048, 1024),),
         layout=layout,
     )
+    batch = cases.make_batch(shape, seed=11, device=torch.device("cuda"))
+    impl = cases.make_impl(
+        fa.MiniMaxM3SparseFlashInferImpl, shape, scale=SCALE, kv_cache_dtype="fp8"
+    )
+    assert (impl.cache_views(batch.kv_fp8) is None) == (layout == "NHD")
     print(layout, _run(env, shape, seed=11))
 
 
