@@ -9,7 +9,11 @@ the MoE backend vLLM 0.34.0's MXFP8 oracle (``fused_moe/oracle/mxfp8.py``) picks
 CUDA device, as the platform reports one (capability 9.0; no kernel runs): with the installed
 ``humming`` package and without it, and every backend's verdict in priority order; the same
 with ``VLLM_HUMMING_MOE_GEMM_TYPE=grouped``; and, for comparison, what one rank of the
-deployed TP 8 + EP 8 engine (128 experts, 16 on the rank) gets.
+deployed TP 8 + EP 8 engine (128 experts, 16 on the rank) gets. For those DIRs also the
+MXFP8 linear kernel vLLM picks on that device (with and without ``humming``), and the
+activation dtype Humming settles on for the MXFP8 linear layers and MoE there
+(``check_and_fallback_input_schema``, as vLLM 0.34.0 calls it; Humming's device query is
+answered with SM90 too).
 """
 
 from __future__ import annotations
@@ -155,6 +159,74 @@ def sm90_moe_backends(config: dict, expert_parallel_size: int = 1, env: dict | N
     }
 
 
+def sm90_mxfp8_linear(config: dict) -> dict:
+    """The MXFP8 linear kernel vLLM 0.34.0 picks on an SM90 GPU for the slice's o_proj
+    shape, with the installed ``humming`` package and without it."""
+    from vllm.model_executor.kernels.linear import init_mxfp8_linear_kernel
+
+    shape = (config["hidden_size"], config["num_attention_heads"] * config["head_dim"])
+    with _sm90_platform():
+        picked = init_mxfp8_linear_kernel(weight_shape=shape)
+        with mock.patch(
+            "vllm.model_executor.kernels.linear.mxfp8.humming.has_humming", lambda: False
+        ):
+            without_humming = init_mxfp8_linear_kernel(weight_shape=shape)
+    return {
+        "picked": type(picked).__name__,
+        "picked_without_humming": type(without_humming).__name__,
+    }
+
+
+def sm90_humming_activations() -> dict:
+    """The activations Humming asks for and gets on SM90 with MXFP8 weights, as vLLM 0.34.0
+    prepares its layers: the linear layers ask for MXFP8 activations (``kMxfp8Dynamic``,
+    ``HummingMxfp8LinearKernel``) and allow a fallback; the MoE asks for what
+    ``VLLM_HUMMING_INPUT_QUANT_CONFIG`` says (unset here) and allows none. ``None`` is the
+    16-bit model dtype."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.model_executor.layers.quantization.utils.humming.schema import (
+        check_and_fallback_input_schema,
+        quant_key_to_input_schema,
+    )
+    from vllm.model_executor.layers.quantization.utils.quant_utils import kMxfp8Dynamic
+    from vllm.utils.humming import BaseWeightSchema, HummingInputSchema
+
+    linear_weights = BaseWeightSchema.from_config(
+        {
+            "quant_method": "humming",
+            "dtype": "float8e4m3",
+            "scale_dtype": "float8e8m0",
+            "group_size": 32,
+            "weight_scale_type": "group",
+        }
+    )
+    moe_weights = BaseWeightSchema.from_config({"quant_method": "modelopt", "quant_algo": "mxfp8"})
+    asked = {
+        "linear": quant_key_to_input_schema(kMxfp8Dynamic),
+        "moe": HummingInputSchema.from_config({}),
+    }
+    device = SimpleNamespace(sm_version=SM90[0] * 10 + SM90[1], is_ppu=False)
+    result = {}
+    with _sm90_platform(), mock.patch("humming.schema.humming.current_device", device):
+        for part, weights, fallback in (
+            ("linear", linear_weights, True),
+            ("moe", moe_weights, False),
+        ):
+            got = check_and_fallback_input_schema(weights, asked[part], torch.bfloat16, fallback)
+            result[part] = {
+                "asked": _dtype_name(asked[part].a_dtype),
+                "asked_group": asked[part].input_scale_group_size,
+                "gets": _dtype_name(got.a_dtype),
+            }
+    return result
+
+
+def _dtype_name(dtype) -> str | None:
+    return None if dtype is None else str(dtype)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", type=Path, metavar="DIR")
@@ -169,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             result[str(model_dir)].update(
                 sm90_mxfp8_moe=sm90_moe_backends(config),
                 sm90_mxfp8_moe_grouped=sm90_moe_backends(config, env={HUMMING_GEMM_ENV: "grouped"}),
+                sm90_mxfp8_linear=sm90_mxfp8_linear(config),
+                sm90_humming_activations=sm90_humming_activations(),
             )
     # What a rank of the deployed TP 8 + EP 8 engine gets, for comparison.
     result["deployed-ep8-rank"] = {"sm90_mxfp8_moe": sm90_moe_backends(M3_TEXT_CONFIG, 8)}

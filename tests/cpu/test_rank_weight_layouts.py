@@ -135,3 +135,24 @@ def test_layout_options_are_refused_for_the_tiny_model(tmp_path, capsys, extra):
     [line] = capsys.readouterr().err.strip().splitlines()
     assert extra[0] in line and "rank geometries" in line
     assert not target.exists()
+
+
+def test_sm90_mxfp8_linear_layers_are_humming_then_marlin(probed):
+    """The MXFP8 linear layers (attention, dense MLP, shared expert) take Humming on SM90
+    too (Humming moved ahead of Marlin), Marlin without the package: one staged wheel
+    decides both the MoE's and the linear layers' kernels."""
+    linear = probed["mxfp8-ep"]["sm90_mxfp8_linear"]
+    assert linear == {
+        "picked": "HummingMxfp8LinearKernel",
+        "picked_without_humming": "MarlinMxfp8LinearKernel",
+    }
+
+
+def test_humming_runs_mxfp8_with_bf16_activations_on_sm90(probed):
+    """On SM90 Humming keeps MXFP8 activations for neither part: the linear layers ask for
+    e4m3 activations with e8m0 scales per 32 and fall back to the 16-bit dtype (Humming
+    prefers 16-bit activations for group-scaled weights below SM120); the MoE asks for none
+    (VLLM_HUMMING_INPUT_QUANT_CONFIG unset). Both are fp8-weight, bf16-activation GEMMs."""
+    activations = probed["mxfp8-ep"]["sm90_humming_activations"]
+    assert activations["linear"] == {"asked": "float8e4m3", "asked_group": 32, "gets": None}
+    assert activations["moe"] == {"asked": None, "asked_group": 0, "gets": None}
