@@ -1,8 +1,9 @@
 """`vllm_minimax.memory_budget`: MiniMax M3's per-GPU weights by checkpoint layout agree with
 the parameter counts the rank-geometry probe checks against vLLM's own build, its KV bytes a
-token agree with what vLLM 0.34.0 allotted on the H200 rank slice, and every SM90 serving
-config states a budget that names its checkpoint, restates the computed weights and fits
-``gpu-memory-utilization`` x the card."""
+token agree with what vLLM 0.34.0 allotted on the H200 rank slice, and every serving config
+with a budget (the SM90 ones and 8 x RTX PRO 6000) states one that names its checkpoint,
+restates the computed weights and fits ``gpu-memory-utilization`` x the card; on 4 x RTX PRO
+6000 no known checkpoint fits, as that file says."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from vllm_minimax.memory_budget import (
+    CARDS,
     CHECKPOINTS,
     GIB,
     BudgetError,
@@ -28,6 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "configs" / "serve"
 # Hopper configs: the H100 and H200 ones.
 SM90_CONFIGS = sorted(path for path in CONFIG_DIR.glob("h[12]00-*.yaml"))
+RTX_4X = CONFIG_DIR / "rtx-pro-6000-4x.yaml"
+# Configs that state a memory budget: the Hopper ones and the 8-card RTX PRO 6000 box.
+BUDGETED_CONFIGS = [*SM90_CONFIGS, CONFIG_DIR / "rtx-pro-6000-8x.yaml"]
 MXFP8 = CHECKPOINTS["MiniMaxAI/MiniMax-M3-MXFP8"]
 BF16 = CHECKPOINTS["MiniMaxAI/MiniMax-M3"]
 LINEAR_PARTS = ("attention", "dense_mlp", "shared_expert", "routed_experts")
@@ -38,7 +43,8 @@ LAUNCH_DOCS = [
     REPO / "README.md",
     CONFIG_DIR / "README.md",
     *sorted((REPO / "docs").glob("*.md")),
-    *SM90_CONFIGS,
+    *BUDGETED_CONFIGS,
+    RTX_4X,
 ]
 # A config as the docs name it: its file under configs/serve/, `"$(vllm-minimax config path
 # NAME)"`, or a bare shipped NAME (what doctor, eval ab and warmup take).
@@ -126,8 +132,8 @@ def test_there_are_sm90_configs():
     assert {"h100-8x.yaml", "h200-8x.yaml", "h100-16x-2node.yaml"} <= names
 
 
-@pytest.mark.parametrize("config", SM90_CONFIGS, ids=lambda path: path.name)
-def test_sm90_config_fits_its_checkpoint(config):
+@pytest.mark.parametrize("config", BUDGETED_CONFIGS, ids=lambda path: path.name)
+def test_config_fits_its_checkpoint(config):
     check = check_serving_config(config)
     assert check.fits, (
         f"{config.name}: weights {check.weights_gib:.2f} + KV {check.kv_gib:.2f} + reserve"
@@ -202,8 +208,8 @@ def _launches() -> list[tuple[Path, str, str]]:
     return found
 
 
-def test_every_launch_of_an_sm90_config_names_its_checkpoint():
-    sm90 = {path.name: path for path in SM90_CONFIGS}
+def test_every_launch_of_a_budgeted_config_names_its_checkpoint():
+    sm90 = {path.name: path for path in BUDGETED_CONFIGS}
     launches = [(doc, name, model) for doc, name, model in _launches() if name in sm90]
     wrong = [
         f"{doc.relative_to(REPO)}: {model} --config {name}"
@@ -221,3 +227,29 @@ def _names(model: str, checkpoint: str) -> bool:
     if model.startswith("/"):
         return Path(model).name == checkpoint.split("/")[1]
     return model == checkpoint
+
+
+def test_no_known_checkpoint_fits_four_rtx_pro_6000():
+    """At TP 4 + EP 4 neither published checkpoint whose layout is known fits a 96 GB card,
+    with or without the MTP modules; the file says so with these figures and launches no
+    known checkpoint."""
+    import yaml
+
+    text = RTX_4X.read_text()
+    keys = yaml.safe_load(text)
+    parallelism = Parallelism(
+        keys["tensor-parallel-size"], enable_expert_parallel=keys["enable-expert-parallel"]
+    )
+    card = CARDS["RTX-PRO-6000-96GB"]
+    for checkpoint in CHECKPOINTS.values():
+        for mtp_modules in (0, 7):
+            weights = sum(weight_bytes_per_gpu(checkpoint, parallelism, mtp_modules).values())
+            assert weights / GIB > card.total_gib
+            stated = f"{weights / GIB:.2f} GiB"
+            if checkpoint == BF16 and mtp_modules == 0:
+                continue  # the file states BF16 with MTP only
+            assert stated in text.replace("\n# ", " "), (checkpoint.name, mtp_modules, stated)
+    assert f"({card.total_gib} GiB) a card" in text
+    assert "No checkpoint whose layout this project has read fits this box" in text
+    assert not [model for _, name, model in _launches() if name == RTX_4X.name]
+    assert "vllm serve NVFP4_CHECKPOINT --config configs/serve/rtx-pro-6000-4x.yaml" in text
