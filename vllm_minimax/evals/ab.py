@@ -3,15 +3,21 @@
 An arm is a name and a mapping of ``vllm serve`` arguments, merged into the serve config
 (``--config``): a mapping value such as ``attention-config`` is merged key by key, so an arm
 that sets ``minimax_m3_indexer_backend`` keeps the config's ``indexer_kv_dtype``; any other
-value replaces the config's. The merged config is written to ``<out>/<arm>/serve.yaml`` and
-passed to the server as ``--config``, which is how vLLM itself reads YAML configs. The
-default arms are MiniMax M3's two indexers, ``triton`` (the stock path, the reference) and
-``flashinfer`` (this patch set's).
+value replaces the config's, and a null removes the config's key (at the top level or inside
+a mapping; a mapping left empty goes too), so that an arm can serve a vLLM that does not
+know a key of the config. The merged config is written to ``<out>/<arm>/serve.yaml`` and
+passed to the server as ``--config``, which is how vLLM itself reads YAML configs. An arm
+may also have environment variables of its own (``--arm-env ARM:KEY=VALUE``), set over
+``--server-env`` for its servers only: ``PYTHONPATH`` with an unpatched vLLM first serves
+stock vLLM beside the patched one. The default arms are MiniMax M3's two indexers,
+``triton`` (the stock path, the reference) and ``flashinfer`` (this patch set's).
 
 Arms run one after another, each on a server of its own, started and stopped here, in
-``--repeat`` rounds (default 3) whose order alternates (A B, B A, A B, ...), so that a drift
-of the machine weighs on both arms; the reports give each level's median over the rounds
-and its min..max. Accuracy runs in the first round only (greedy decoding: a second run
+``--repeat`` rounds (default 3) whose order rotates (A B C, B C A, C A B, ...; with two arms
+A B, B A), so that each arm takes each place in turn and a drift of the machine weighs on
+every arm; the reports give each level's median over the rounds and its min..max. Each
+server's KV cache size (its log's ``KV cache size`` line) is kept with its round, and each
+level's record says how many requests ran at once (:mod:`.server_figures`). Accuracy runs in the first round only (greedy decoding: a second run
 repeats the first). The first arm is the reference: each other arm's scores are compared
 with it by the rule of :mod:`vllm_minimax.evals.accuracy`. ``ab.json`` and ``report.md``
 are rewritten after each arm's round, and a round that fails or is interrupted (Ctrl-C)
@@ -24,7 +30,7 @@ import copy
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +54,7 @@ from vllm_minimax.evals.common import (
 )
 from vllm_minimax.evals.presets import AccuracyPreset, ThroughputPreset
 from vllm_minimax.evals.server import ServedModel, ServerError, VllmServer
+from vllm_minimax.evals.server_figures import logged_kv_cache
 from vllm_minimax.evals.throughput import (
     RequestTimeouts,
     Vocabulary,
@@ -69,6 +76,7 @@ ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 class Arm:
     name: str
     server_args: dict[str, Any]
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def parse_arm(text: str) -> Arm:
@@ -90,13 +98,44 @@ def default_arms() -> list[Arm]:
 
 
 def merge_server_args(config: Mapping[str, Any], arm_args: Mapping[str, Any]) -> dict[str, Any]:
+    """The arm's arguments over the config's: mappings merged key by key, a null (None)
+    removing the key, and a mapping that a removal leaves empty removed too."""
     merged = copy.deepcopy(dict(config))
     for key, value in arm_args.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = {**merged[key], **value}
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            inner = {**merged[key]}
+            for inner_key, inner_value in value.items():
+                if inner_value is None:
+                    inner.pop(inner_key, None)
+                else:
+                    inner[inner_key] = copy.deepcopy(inner_value)
+            if inner or not merged[key]:
+                merged[key] = inner
+            else:
+                del merged[key]
+        elif isinstance(value, Mapping):
+            merged[key] = {k: copy.deepcopy(v) for k, v in value.items() if v is not None}
         else:
             merged[key] = copy.deepcopy(value)
     return merged
+
+
+def parse_arm_env(texts: Sequence[str], arms: Sequence[Arm]) -> list[Arm]:
+    """``--arm-env ARM:KEY=VALUE`` (repeatable) set on the arms they name."""
+    envs: dict[str, dict[str, str]] = {arm.name: dict(arm.env) for arm in arms}
+    for text in texts:
+        name, separator, assignment = text.partition(":")
+        key, equals, value = assignment.partition("=")
+        if not separator or not equals or not key:
+            raise EvalError(f"--arm-env {text!r}: expected ARM:KEY=VALUE")
+        if name not in envs:
+            raise EvalError(
+                f"--arm-env {text!r}: no arm named {name!r} (arms: {', '.join(envs)})"
+            )
+        envs[name][key] = value
+    return [Arm(arm.name, arm.server_args, envs[arm.name]) for arm in arms]
 
 
 def load_serve_config(path: Path | None) -> dict[str, Any]:
@@ -118,9 +157,11 @@ class ServerLaunch:
 
 
 def round_order(arms: Sequence[Arm], round_index: int) -> list[Arm]:
-    """Even rounds run the arms as given, odd rounds in reverse: a drift over time (thermal,
-    a neighbour's load) then weighs on every arm alike."""
-    return list(arms) if round_index % 2 == 0 else list(reversed(arms))
+    """Round r runs the arms rotated by r places (A B C, B C A, C A B; two arms alternate):
+    over as many rounds as arms, each arm runs once in each place, so a drift over time
+    (thermal, a neighbour's load) weighs on every arm alike."""
+    shift = round_index % len(arms) if arms else 0
+    return [*arms[shift:], *arms[:shift]]
 
 
 def configured_model_len(config: Mapping[str, Any]) -> int | None:
@@ -194,7 +235,12 @@ def run_ab(
         "repeat": repeat,
         "round_order": [[arm.name for arm in round_order(arms, r)] for r in range(repeat)],
         "arms": [
-            {"name": arm.name, "server_args": json.dumps(arm.server_args), "rounds": []}
+            {
+                "name": arm.name,
+                "server_args": json.dumps(arm.server_args),
+                **({"server_env": arm.env} if arm.env else {}),
+                "rounds": [],
+            }
             for arm in arms
         ],
         "complete": False,
@@ -257,7 +303,7 @@ def run_arm(
         log_path=round_dir / "server.log",
         command=launch.command,
         config=serve_yaml,
-        env=launch.env,
+        env={**launch.env, **arm.env},
         port=launch.port,
         startup_timeout=launch.startup_timeout,
     )
@@ -268,6 +314,13 @@ def run_arm(
     try:
         with server:
             entry["startup_seconds"] = server.startup_seconds
+            kv_cache = logged_kv_cache(server.log_path)
+            if kv_cache is not None:
+                entry.update(kv_cache.as_record())
+                progress(
+                    f"arm {arm.name}: KV cache {kv_cache.tokens:,} tokens"
+                    f" ({kv_cache.max_concurrency:.2f} requests of {kv_cache.max_model_len:,})"
+                )
             # start_new_session: the pid is the process group id, gone once the server stopped.
             entry["server_pgid"] = server.process.pid if server.process else None
             try:

@@ -204,7 +204,7 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
         type=int,
         default=3,
         metavar="N",
-        help="rounds; each starts every arm's server anew, the order alternating per round"
+        help="rounds; each starts every arm's server anew, the order rotating per round"
         " (default: 3)",
     )
     timeout_options(ab_parser)
@@ -220,6 +220,14 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="environment variable for the server; repeatable",
+    )
+    ab_parser.add_argument(
+        "--arm-env",
+        action="append",
+        default=[],
+        metavar="ARM:KEY=VALUE",
+        help="environment variable for one arm's servers, over --server-env; repeatable"
+        " (e.g. stock:PYTHONPATH=/tmp/stock-vllm:... serves an unpatched vLLM in that arm)",
     )
     ab_parser.add_argument("--port", type=port_number, help="server port (default: a free one)")
     ab_parser.add_argument(
@@ -375,6 +383,7 @@ def run_eval_ab(args: argparse.Namespace) -> int:
     check_positive(args.startup_timeout, "--startup-timeout")
     split_command(args.server_command)
     arms = [ab.parse_arm(text) for text in args.arm] if args.arm else ab.default_arms()
+    arms = ab.parse_arm_env(args.arm_env, arms)
     env = {}
     for item in args.server_env:
         key, separator, value = item.partition("=")

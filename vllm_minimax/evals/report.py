@@ -141,6 +141,23 @@ def metric_spread(levels: Sequence[dict[str, Any]], metric: str) -> Spread | Non
     return Spread.of([METRICS[metric](level) for level in levels])
 
 
+def running_text(levels: Sequence[dict[str, Any]]) -> str:
+    """How many requests the server ran at once during the levels (their rounds): the max,
+    then the median, each over the rounds; ``-`` where the server had no ``/metrics``;
+    with ``, N waited`` when requests queued (the most that waited in any round)."""
+    sampled = [level["running_requests"] for level in levels if level.get("running_requests")]
+    peak = Spread.of([figures["max"] for figures in sampled])
+    if peak is None:
+        return "-"
+    middle = Spread.of([figures["median"] for figures in sampled])
+    text = f"{peak.text(0)} / {_spread_text(middle, 0)}"
+    waited = max(figures.get("waiting_max", 0) for figures in sampled)
+    return f"{text}, {waited:.0f} waited" if waited else text
+
+
+RUNNING_HEADER = "ran at once max / median"
+
+
 def bunched(levels: Sequence[dict[str, Any]]) -> bool:
     """Streamed chunks arriving in bursts: the median ITL is (near) 0 while TPOT is not."""
     itl = metric_spread(levels, "ITL p50 ms")
@@ -186,8 +203,8 @@ def throughput_markdown(results: dict[str, Any], title: str | None = None) -> st
             lines += [f"Client: {CLIENT_TEXT.get(scenario['client'], scenario['client'])}.", ""]
         lines += [
             "| concurrency | rounds | output tok/s | TTFT p50 ms | TPOT p50 ms | ITL p50 ms"
-            " | TTFT p99 ms | TPOT p99 ms |",
-            "|---|---|---|---|---|---|---|---|",
+            f" | TTFT p99 ms | TPOT p99 ms | {RUNNING_HEADER} |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         notes = []
         for concurrency, levels in levels_by_concurrency(scenario).items():
@@ -196,7 +213,8 @@ def throughput_markdown(results: dict[str, Any], title: str | None = None) -> st
                 _spread_text(Spread.of([level[key].get("p99") for level in levels]))
                 for key in ("ttft_ms", "tpot_ms")
             ]
-            lines.append(f"| {concurrency} | {len(levels)} | {' | '.join(cells + p99)} |")
+            cells += [*p99, running_text(levels)]
+            lines.append(f"| {concurrency} | {len(levels)} | {' | '.join(cells)} |")
             if bunched(levels):
                 notes.append(f"concurrency {concurrency}: {BUNCHED_NOTE}")
         lines.append("")
@@ -271,10 +289,23 @@ def ab_markdown(ab: dict[str, Any], plots: list[Path]) -> str:
     if missing and not ab.get("complete"):
         lines += ["**Not measured:** " + "; ".join(missing) + ".", ""]
     lines += [f"{repeat} round(s); each round starts each arm's server anew, in the order shown."]
-    lines += ["", "| arm | server arguments | start-up s (per round) |", "|---|---|---|"]
+    lines += [
+        "",
+        "| arm | server arguments | start-up s (per round) | KV cache tokens (per round) |",
+        "|---|---|---|---|",
+    ]
     for arm in ab["arms"]:
-        startups = [_number(r.get("startup_seconds"), 0) for r in arm.get("rounds", [])]
-        lines.append(f"| `{arm['name']}` | `{arm['server_args']}` | {', '.join(startups) or '-'} |")
+        rounds = arm.get("rounds", [])
+        startups = ", ".join(_number(r.get("startup_seconds"), 0) for r in rounds) or "-"
+        tokens = ", ".join(
+            f"{r['kv_cache_tokens']:,}" if r.get("kv_cache_tokens") else "-" for r in rounds
+        )
+        arguments = f"`{arm['server_args']}`"
+        if arm.get("server_env"):
+            arguments += ", environment " + ", ".join(
+                f"`{key}={value}`" for key, value in arm["server_env"].items()
+            )
+        lines.append(f"| `{arm['name']}` | {arguments} | {startups} | {tokens or '-'} |")
     lines.append("")
     if ab.get("round_order"):
         orders = [" then ".join(order) for order in ab["round_order"]]
@@ -322,7 +353,7 @@ def _ab_throughput(ab: dict[str, Any], repeat: int) -> list[str]:
         header = "| concurrency |"
         rule = "|---|"
         for record in records:
-            for metric in ("tok/s", "TTFT p50 ms", "TPOT p50 ms"):
+            for metric in ("tok/s", "TTFT p50 ms", "TPOT p50 ms", RUNNING_HEADER):
                 header += f" {record['name']} {metric} |"
                 rule += "---|"
         for record in records[1:]:
@@ -336,6 +367,7 @@ def _ab_throughput(ab: dict[str, Any], repeat: int) -> list[str]:
                 levels = levels_by_concurrency(_scenario(record, index)).get(concurrency, [])
                 for metric in ("tok/s", "TTFT p50 ms", "TPOT p50 ms"):
                     row += f" {_spread_text(metric_spread(levels, metric))} |"
+                row += f" {running_text(levels)} |"
                 if levels and bunched(levels):
                     notes.append(f"`{record['name']}` concurrency {concurrency}: {BUNCHED_NOTE}")
             for record in records[1:]:

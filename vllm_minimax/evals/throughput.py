@@ -15,6 +15,9 @@ list so the prompt length is exact, with ``ignore_eos`` so the output length is 
 Per request: TTFT is the time to the first streamed chunk, ITL the gaps between later chunks, TPOT
 ``(latency - TTFT) / (output tokens - 1)``, with the output token count from the usage chunk.
 Per concurrency level: output tokens/s is all output tokens over the wall time of the level.
+While a level runs, the server's ``/metrics`` is sampled (:mod:`.server_figures`): the
+level's record says how many requests the server ran at once (max and median) and how many
+waited, so a level that queued for want of KV cache shows it.
 Before its first level each scenario sends one unrecorded request per shape (prompts of their
 own), so JIT compilation and first-use allocations for those shapes land outside the numbers.
 
@@ -46,6 +49,7 @@ from vllm_minimax.evals import bench
 from vllm_minimax.evals.common import EvalError, progress, require, write_json
 from vllm_minimax.evals.presets import RequestShape, ThroughputPreset, ThroughputScenario
 from vllm_minimax.evals.server import ServedModel, check_server, require_model_len
+from vllm_minimax.evals.server_figures import RunningSampler
 
 PERCENTILES = (50, 90, 99)
 DEFAULT_FIRST_BYTE_TIMEOUT_S = 30.0
@@ -421,7 +425,21 @@ def run_throughput(
         round_number: int,
         label: str,
     ) -> dict[str, Any]:
-        """One level's record, from the scenario's client."""
+        """One level's record, from the scenario's client, with how many requests the
+        server ran at once meanwhile (``running_requests``; absent without ``/metrics``)."""
+        with RunningSampler(base_url) as sampler:
+            metrics = run_client(scenario, record, level_index, concurrency, round_number, label)
+        running = sampler.summary()
+        return {**metrics, "running_requests": running} if running else metrics
+
+    def run_client(
+        scenario: ThroughputScenario,
+        record: dict[str, Any],
+        level_index: int,
+        concurrency: int,
+        round_number: int,
+        label: str,
+    ) -> dict[str, Any]:
         seed = level_seed(preset.seed, scenario.name, level_index, concurrency, round_number)
         if record["client"] == "own":
             prompts = scenario_prompts(scenario, vocabulary, seed)
