@@ -17,9 +17,10 @@ Arms run one after another, each on a server of its own, started and stopped her
 A B, B A), so that each arm takes each place in turn and a drift of the machine weighs on
 every arm; the reports give each level's median over the rounds and its min..max. Each
 server's KV cache size (its log's ``KV cache size`` line) is kept with its round, and each
-level's record says how many requests ran at once (:mod:`.server_figures`). Accuracy runs in the first round only (greedy decoding: a second run
-repeats the first). The first arm is the reference: each other arm's scores are compared
-with it by the rule of :mod:`vllm_minimax.evals.accuracy`. ``ab.json`` and ``report.md``
+level's record says how many requests ran at once (:mod:`.server_figures`). Accuracy runs
+in the first round only (greedy decoding: a second run repeats the first). The first arm
+is the reference: each other arm's scores are compared with it by the rule of
+:mod:`vllm_minimax.evals.accuracy`. ``ab.json`` and ``report.md``
 are rewritten after each arm's round, and a round that fails or is interrupted (Ctrl-C)
 keeps its measured levels there; the report names the levels not measured.
 """
@@ -131,9 +132,7 @@ def parse_arm_env(texts: Sequence[str], arms: Sequence[Arm]) -> list[Arm]:
         if not separator or not equals or not key:
             raise EvalError(f"--arm-env {text!r}: expected ARM:KEY=VALUE")
         if name not in envs:
-            raise EvalError(
-                f"--arm-env {text!r}: no arm named {name!r} (arms: {', '.join(envs)})"
-            )
+            raise EvalError(f"--arm-env {text!r}: no arm named {name!r} (arms: {', '.join(envs)})")
         envs[name][key] = value
     return [Arm(arm.name, arm.server_args, envs[arm.name]) for arm in arms]
 
