@@ -18,6 +18,9 @@ A TP-N rank's slice produces every output token the whole deployment produces: i
 is an upper bound on the deployment's (the collectives are left out) and tok/s per GPU is
 that divided by N (``--tensor-parallel-size``). Writes OUT/repeats.json and OUT/repeats.md,
 and with two arms OUT/repeats.png: the paired ratios of every point with their range.
+Each arm's KV cache size per server and, per level, the most requests its server ran at
+once are given beside them. ``--targets fp8kv --gpu h100|h200`` adds issue 41's table of
+targets (:mod:`benchmarks.fp8kv_targets`) to both files.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ METRICS = (
     ("TPOT p50 ms", lambda level: level.get("tpot_ms", {}).get("p50")),
     ("TPOT p99 ms", lambda level: level.get("tpot_ms", {}).get("p99")),
     ("ITL p50 ms", lambda level: level.get("itl_ms", {}).get("p50")),
+    # How many requests the server ran at once during the level (its /metrics, sampled).
+    ("ran at once max", lambda level: (level.get("running_requests") or {}).get("max")),
 )
 
 
@@ -187,12 +192,28 @@ def has_resent_levels(summary: dict[str, Any]) -> bool:
     return any(point["scenario"].endswith(RESENT) for point in summary["points"])
 
 
+def kv_cache_tokens(runs: Sequence[dict[str, Any]], arms: Sequence[str]) -> dict[str, list[int]]:
+    """Each arm's KV cache size in tokens, one per server (round) that logged it."""
+    return {
+        arm: [
+            entry["kv_cache_tokens"]
+            for run in runs
+            for record in run["arms"]
+            if record["name"] == arm
+            for entry in record.get("rounds", [])
+            if entry.get("kv_cache_tokens")
+        ]
+        for arm in arms
+    }
+
+
 def summarise(runs: Sequence[dict[str, Any]], arms: Sequence[str], tp: int) -> dict[str, Any]:
     summary = {
         "arms": list(arms),
         "tensor_parallel_size": tp,
         "runs": len(runs),
         "points": points(runs, arms, tp),
+        "kv_cache_tokens": kv_cache_tokens(runs, arms),
     }
     if has_resent_levels(summary):
         # ITL p50 over every round, re-sent prompts or not: a level's decode steps do not
@@ -222,6 +243,18 @@ def markdown(summary: dict[str, Any]) -> str:
             f"The last column, {arms[1]} / {arms[0]} tok/s (paired), summarises one ratio per"
             " round that measured both arms, not the ratio of the arms' medians: an arm's"
             " columns can also hold rounds the other arm did not reach.",
+            "",
+        ]
+    servers = summary.get("kv_cache_tokens") or {}
+    if any(servers.values()):
+        lines += [
+            "KV cache per server (tokens, the server log's `KV cache size`): "
+            + "; ".join(
+                f"{arm} {', '.join(f'{tokens:,}' for tokens in sorted(set(servers[arm])))}"
+                for arm in arms
+                if servers.get(arm)
+            )
+            + ".",
             "",
         ]
     if has_resent_levels(summary):
@@ -369,7 +402,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--arms", nargs="+", default=["triton", "flashinfer"])
     parser.add_argument("--tensor-parallel-size", type=int, default=8)
+    parser.add_argument(
+        "--targets",
+        choices=["fp8kv"],
+        help="add a table of targets: fp8kv, issue 41's (benchmarks/fp8kv_targets.py)",
+    )
+    parser.add_argument("--gpu", choices=["h100", "h200"], help="the GPU the runs ran on")
     args = parser.parse_args(argv)
+    if args.targets and not args.gpu:
+        print("ab_repeats: --targets needs --gpu (h100 or h200)", file=sys.stderr)
+        return 2
     if args.tensor_parallel_size <= 0:
         print("ab_repeats: --tensor-parallel-size must be positive", file=sys.stderr)
         return 2
@@ -379,9 +421,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     runs = [json.loads(path.read_text()) for path in paths]
     summary = summarise(runs, args.arms, args.tensor_parallel_size)
+    if args.targets == "fp8kv":
+        from benchmarks import fp8kv_targets
+
+        summary["targets"] = fp8kv_targets.summarise(runs, args.gpu)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "repeats.json").write_text(json.dumps(summary, indent=2) + "\n")
     text = markdown(summary)
+    if "targets" in summary:
+        text += "\n" + fp8kv_targets.markdown(summary["targets"])
     if plot_ratios(summary, args.out / "repeats.png"):
         text += "\n![The paired ratios of every point](repeats.png)\n"
     (args.out / "repeats.md").write_text(text)

@@ -7,8 +7,11 @@ DIR is a ``vllm-minimax make-tiny-model DIR --geometry m3-tp8-rank`` directory (
 MiniMax M3 config). The engine takes the settings of ``--config`` (default
 evals/h200-m3-tp8-rank-serve.yaml: dummy weights in fp8, an fp8 index cache, CUDA graphs and
 chunked prefill on), plus the arm's indexer backend and ``--max-num-batched-tokens``.
-Needs the patched vLLM (the ``minimax_m3_indexer_backend`` attention option). Each arm
-(``--arms``, default triton and flashinfer) runs in a process of its own with one
+Needs the patched vLLM (the ``minimax_m3_indexer_backend`` attention option). An arm
+named triton or flashinfer sets that indexer backend; ``--arm NAME=JSON`` (``vllm-minimax
+eval ab``'s arms: serve arguments merged into the config, a null removing a key) defines
+any other, e.g. ``--arm 'fp8={"kv-cache-dtype": "fp8"}'``. Each arm (``--arms``, default
+triton and flashinfer, or the ``--arm`` names in order) runs in a process of its own with one
 ``LLM(...)`` engine, in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the torch
 profiler sees the model. Three points:
 
@@ -88,7 +91,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="DIR",
         help="analyse the ARM/POINT.trace.json.gz under DIR instead of running engines",
     )
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), help="indexer backends")
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        help="arms to run, in order: triton, flashinfer (the indexer backends) or names"
+        " --arm defines (default: the --arm names, else triton and flashinfer)",
+    )
+    parser.add_argument(
+        "--arm",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="an arm: serve arguments merged into --config, as `vllm-minimax eval ab --arm`;"
+        " repeatable",
+    )
     parser.add_argument("--points", nargs="+", default=list(POINTS), help=", ".join(POINTS))
     parser.add_argument("--steps", type=int, default=8, help="profiled steps (default: 8)")
     parser.add_argument(
@@ -129,10 +145,35 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also cProfile one more run of each point (ARM/POINT.pyprof.txt)",
     )
-    parser.add_argument("--run-arm", choices=ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--run-arm", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     check_args(args)
     return args
+
+
+def defined_arms(texts: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``--arm NAME=JSON`` texts by name; bad ones are a UsageError."""
+    from vllm_minimax.evals.ab import parse_arm
+    from vllm_minimax.evals.common import EvalError
+
+    arms: dict[str, dict[str, Any]] = {}
+    for text in texts:
+        try:
+            arm = parse_arm(text)
+        except EvalError as error:
+            raise UsageError(str(error)) from None
+        if arm.name in arms:
+            raise UsageError(f"--arm {arm.name} is defined twice")
+        arms[arm.name] = arm.server_args
+    return arms
+
+
+def arm_server_args(name: str, defined: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The serve arguments of arm ``name``: its ``--arm`` definition, else the indexer
+    backend of that name."""
+    if name in defined:
+        return defined[name]
+    return {"attention-config": {INDEXER_BACKEND_KEY: name}}
 
 
 def prompt_chunks(args: argparse.Namespace, context: int) -> int:
@@ -173,10 +214,21 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError("--skip-steps must be 0 or more")
     if not 0 < args.host_bound_below <= 1:
         raise UsageError("--host-bound-below must be in (0, 1]")
-    for option, given, known in (("--arms", args.arms, ARMS), ("--points", args.points, POINTS)):
-        unknown = [value for value in given if value not in known]
+    args.defined_arms = defined_arms(args.arm)
+    if args.arms is None:
+        args.arms = list(args.defined_arms) or list(ARMS)
+    known_arms = (*ARMS, *(name for name in args.defined_arms if name not in ARMS))
+    for option, given, known in (
+        ("--arms", args.arms, known_arms),
+        ("--points", args.points, POINTS),
+    ):
+        # Saved traces are found by arm name: any name will do there.
+        named = option == "--arms" and args.from_traces is not None
+        unknown = [value for value in given if value not in known and not named]
         if unknown or len(set(given)) != len(given):
             raise UsageError(f"{option} takes distinct values of {', '.join(known)}")
+    if args.run_arm is not None and args.run_arm not in known_arms:
+        raise UsageError(f"--run-arm takes one of {', '.join(known_arms)}")
     if args.from_traces is not None:
         if args.model is not None:
             raise UsageError("--from-traces analyses saved traces; --model would not be used")
@@ -452,14 +504,20 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[dict[str, l
     ]
 
 
-def engine_kwargs(config_path: Path, arm: str, max_num_batched_tokens: int) -> dict[str, Any]:
-    """``LLM(...)`` arguments: the serve config's (``max-model-len`` ->
-    ``max_model_len``), its ``attention-config`` with the arm's indexer backend."""
+def engine_kwargs(
+    config_path: Path, arm: str | dict[str, Any], max_num_batched_tokens: int
+) -> dict[str, Any]:
+    """``LLM(...)`` arguments: the serve config's (``max-model-len`` -> ``max_model_len``)
+    with the arm's serve arguments merged in as ``eval ab`` merges them (``arm``: those
+    arguments, or the name of an indexer backend)."""
     import yaml
 
+    from vllm_minimax.evals.ab import merge_server_args
+
     config = yaml.safe_load(config_path.read_text()) or {}
-    kwargs = {key.replace("-", "_"): value for key, value in config.items()}
-    kwargs["attention_config"] = {**kwargs.get("attention_config", {}), INDEXER_BACKEND_KEY: arm}
+    server_args = arm_server_args(arm, {}) if isinstance(arm, str) else arm
+    merged = merge_server_args(config, server_args)
+    kwargs = {key.replace("-", "_"): value for key, value in merged.items()}
     kwargs["max_num_batched_tokens"] = max_num_batched_tokens
     return kwargs
 
@@ -473,7 +531,9 @@ def run_arm(args: argparse.Namespace, arm: str) -> None:
 
     install_ranges()
     frame = args.skip_steps + args.steps + 2
-    kwargs = engine_kwargs(args.config, arm, args.max_num_batched_tokens)
+    kwargs = engine_kwargs(
+        args.config, arm_server_args(arm, args.defined_arms), args.max_num_batched_tokens
+    )
     longest = max(args.decode_context, args.mixed_long_context + 2048, args.prefill_context)
     longest += frame
     if kwargs.get("max_model_len", longest) < longest:
@@ -584,6 +644,7 @@ def run_arms(args: argparse.Namespace) -> int:
             "--config", str(args.config),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             *(["--python-profile"] if args.python_profile else []),
+            *(f"--arm={text}" for text in args.arm),
         ]  # fmt: skip
         completed = subprocess.run(command, check=False)
         if completed.returncode != 0:
