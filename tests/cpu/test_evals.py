@@ -887,12 +887,6 @@ def test_ab_plots_start_at_zero_and_skip_an_all_zero_accuracy(tmp_path):
     assert limits == [0.0, 0.0, 0.0]
 
 
-def test_round_order_alternates():
-    arms = [ab.Arm("a", {}), ab.Arm("b", {}), ab.Arm("c", {})]
-    orders = [[arm.name for arm in ab.round_order(arms, r)] for r in range(3)]
-    assert orders == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
-
-
 def test_partial_round_levels_reach_the_arm_record(tmp_path):
     record: dict = {"name": "a", "rounds": []}
     first = {"scenarios": [{"name": "decode", "levels": [level(1, 0, 10.0)]}]}
