@@ -68,17 +68,14 @@ def test_three_rounds_put_each_kv_arm_in_each_place():
 
 
 def test_the_groups_cover_the_preset_once_with_the_targets_first():
-    groups = {
-        name: script_output(f"fp8kv_group {name}").split() for name in ("targets", "decode", "long")
-    }
+    names = ("targets", "capacity", "decode", "long")
+    groups = {name: script_output(f"fp8kv_group {name}").split() for name in names}
     preset = [scenario.name for scenario in presets.load_throughput_preset("m3-rank").scenarios]
     together = [point for points in groups.values() for point in points]
     assert sorted(together) == sorted(preset), "every point of m3-rank.yaml in one group"
-    assert {"prefill-128k-c1", "prefill-64k-c1", "mixed-c16", "decode-32k-c64"} <= set(
-        groups["targets"]
-    )
-    # The point that fills the KV cache runs last in its group.
-    assert groups["targets"][-1] == "decode-32k-c64"
+    assert {"prefill-128k-c1", "prefill-64k-c1", "mixed-c16"} <= set(groups["targets"])
+    # The capacity point fills the H100's KV cache: last in its group.
+    assert groups["capacity"][-1] == "decode-32k-c64"
     assert run_bash(script_functions("fp8kv_group") + "fp8kv_group nope").returncode == 1
     stock = script_output("echo ${FP8KV_STOCK_POINTS[@]}").split()
     assert stock == list(fp8kv_targets.STOCK_POINTS)
