@@ -30,7 +30,8 @@ SERIES_ONLY_KEYS = ("minimax_m3_indexer_backend", "minimax_m3_sparse_attention_b
 def script_functions(*names: str) -> str:
     """Bash that defines the script's functions ``names`` (and its FP8KV_ variables)."""
     picks = ";".join(f"/^{name}() {{/,/^}}/p" for name in names)
-    return f"source <(sed -n '{picks};/^FP8KV_[A-Z_]*=/p' {SCRIPT}); "
+    # The script's shell options: pipefail changes what a pipeline's status says.
+    return f"set -uo pipefail; source <(sed -n '{picks};/^FP8KV_[A-Z_]*=/p' {SCRIPT}); "
 
 
 def run_bash(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -163,6 +164,20 @@ def fake_site(root: Path) -> Path:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(source.read_bytes())
     return root
+
+
+def test_the_stock_copy_of_a_pristine_site_leaves_the_site_alone(tmp_path):
+    """A fresh machine: the site has no series yet; it is copied as it is."""
+    site = fake_site(tmp_path / "site")
+    before = {path: path.read_bytes() for path in site.rglob("*") if path.is_file()}
+    copy = tmp_path / "stock"
+    done = run_bash(script_functions("stock_vllm") + f"stock_vllm {site} {copy}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("(series not applied, its files pristine)")
+    assert {path: path.read_bytes() for path in site.rglob("*") if path.is_file()} == before
+    assert (copy / "vllm" / "config" / "attention.py").read_bytes() == (
+        site / "vllm" / "config" / "attention.py"
+    ).read_bytes()
 
 
 def test_the_stock_copy_is_unpatched_even_from_an_applied_site(tmp_path):
