@@ -435,3 +435,14 @@ def test_ab_repeats_writes_the_targets_into_both_files(tmp_path, capsys):
     assert "| TTFT p50 ms at most 0.55 | prefill-128k-c1 | (c)/(a) | 0.520 |" in text
     assert "| prefill-64k-c1 | TTFT p50 ms | 0.800 | 0.700 | 0.560 |" in text
     assert "KV cache per server (tokens, the server log's `KV cache size`): bf16 610,112" in text
+
+
+def test_the_bytes_per_token_the_doc_and_the_h100_config_state_are_the_models():
+    from vllm_minimax.memory_budget import Parallelism, kv_bytes_per_token
+
+    rank = Parallelism(tensor_parallel_size=8)
+    doc = (REPO_ROOT / "docs" / "fp8-kv-ab.md").read_text()
+    config = SERVE_CONFIGS["h100"].read_text()
+    for kv_dtype, index_dtype in (("auto", "fp8"), ("fp8", "fp8"), ("auto", "bf16")):
+        figure = f"{kv_bytes_per_token(rank, kv_dtype, index_dtype):,}"
+        assert figure in doc and f"{figure} bytes" in config, figure
