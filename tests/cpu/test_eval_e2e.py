@@ -382,11 +382,19 @@ def test_ab_two_servers_two_rounds(server_command: str, tiny_llama: Path, tmp_pa
             assert f"'max_num_seqs': {seqs}" in log
             assert entry["finished"] and entry["startup_seconds"] > 0
             assert not process_group_alive(entry["server_pgid"]), f"{arm['name']} left processes"
+            # The CPU server's own line: "CPU KV cache size: N tokens, ...".
+            assert entry["kv_cache_tokens"] > 0 and entry["kv_cache_pool"] == "CPU"
+            assert f"CPU KV cache size: {entry['kv_cache_tokens']:,} tokens" in log
         for scenario, planned in zip(
             arm["throughput"]["scenarios"], result["throughput_plan"], strict=True
         ):
             measured = sorted((lv["concurrency"], lv["round"]) for lv in scenario["levels"])
             assert measured == sorted((c, r) for c in planned["concurrency"] for r in (0, 1))
+            # /metrics sampled during a level (absent when the level outran the sampling):
+            # never more at once than the level sent, nor than the server's max-num-seqs.
+            for lv in scenario["levels"]:
+                if "running_requests" in lv:
+                    assert 1 <= lv["running_requests"]["max"] <= min(lv["concurrency"], seqs)
     report = (out / "report.md").read_text()
     assert "# A/B: `max-seqs-2` vs `max-seqs-8`" in report
     assert "| tiny_arithmetic | `exact_match,none` |" in report and "PASS" in report
