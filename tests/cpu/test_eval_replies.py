@@ -3,13 +3,12 @@ that are out of range: one line and an exit code, the reason recorded (issue 44 
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from http_stub import StubServer, VllmStubHandler, models_listing
 
 from vllm_minimax.cli import main
 from vllm_minimax.evals import accuracy
@@ -17,19 +16,13 @@ from vllm_minimax.evals import accuracy
 NESTED = "[" * 100_000 + "]" * 100_000
 
 
-class ReplyingServer:
+class ReplyingServer(StubServer):
     """vLLM's /health and /v1/models, and a /v1/completions that streams ``stream`` (lines
     after ``data: ``) or, with ``stall``, accepts the request and answers nothing."""
 
     def __init__(self, stream: list[str], models: str | None = None, stall: bool = False) -> None:
-        listing = models or json.dumps({"data": [{"id": "m", "max_model_len": 1024}]})
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = {"/health": b"", "/v1/models": listing.encode()}.get(self.path)
-                self.send_response(200 if body is not None else 404)
-                self.end_headers()
-                self.wfile.write(body or b"")
+        class Handler(VllmStubHandler):
+            listing = models or models_listing()
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["Content-Length"]))
@@ -43,17 +36,7 @@ class ReplyingServer:
                     self.wfile.write(f"data: {line}\n\n".encode())
                 self.wfile.write(b"data: [DONE]\n\n")
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture(scope="module")

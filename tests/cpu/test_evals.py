@@ -4,7 +4,6 @@ vLLM CPU server)."""
 
 from __future__ import annotations
 
-import http.server
 import itertools
 import json
 import math
@@ -14,12 +13,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from http_stub import StubServer, VllmStubHandler, models_listing
 from patchset_helpers import REPO_ROOT, build_and_unpack_wheel
 
 from vllm_minimax.cli import main
@@ -445,36 +444,21 @@ def test_server_start_timeout_stops_its_process_group(tmp_path, capsys, monkeypa
     assert int(beats[-1][0]) >= 1
 
 
-class StandInServer:
+class StandInServer(StubServer):
     """An HTTP server with vLLM's /health and /v1/models; /v1/completions never answers."""
 
     def __init__(self, model: str, max_model_len: int) -> None:
-        listing = json.dumps({"data": [{"id": model, "max_model_len": max_model_len}]})
         self.completions = 0
         outer = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = {"/health": b"", "/v1/models": listing.encode()}.get(self.path)
-                self.send_response(200 if body is not None else 404)
-                self.end_headers()
-                self.wfile.write(body or b"")
+        class Handler(VllmStubHandler):
+            listing = models_listing(model, max_model_len)
 
             def do_POST(self) -> None:
                 outer.completions += 1
                 time.sleep(30)  # accepts the request, never answers
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
 
 
 @pytest.fixture

@@ -4,15 +4,14 @@ removes a config key, on stand-in servers."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import shlex
 import sys
-import threading
 import time
 
 import pytest
 import yaml
+from http_stub import StubServer, VllmStubHandler
 
 from vllm_minimax.evals import ab, presets, report, throughput
 from vllm_minimax.evals.common import EvalError
@@ -65,7 +64,7 @@ def test_a_gauge_is_summed_over_engines_and_not_confused_with_a_longer_name():
     assert gauge_total("vllm:num_requests_running 7\n", "vllm:num_requests_running") == 7.0
 
 
-class MetricsServer:
+class MetricsServer(StubServer):
     """/health, /v1/models and a /metrics whose running gauge steps through ``running``
     (one value per request of /metrics, the last repeated), waiting as given."""
 
@@ -73,34 +72,17 @@ class MetricsServer:
         self.running = list(running)
         outer = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                if self.path == "/metrics":
-                    value = outer.running.pop(0) if len(outer.running) > 1 else outer.running[0]
-                    body = (
-                        f'vllm:num_requests_running{{engine="0"}} {value}\n'
-                        f'vllm:num_requests_waiting{{engine="0"}} {waiting}\n'
-                    ).encode()
-                else:
-                    listing = {"data": [{"id": "m", "max_model_len": 1024}]}
-                    body = {"/health": b"", "/v1/models": json.dumps(listing).encode()}.get(
-                        self.path, b""
-                    )
-                self.send_response(200)
-                self.end_headers()
-                self.wfile.write(body)
+        class Handler(VllmStubHandler):
+            def extra_get(self) -> bytes | None:
+                if self.path != "/metrics":
+                    return None
+                value = outer.running.pop(0) if len(outer.running) > 1 else outer.running[0]
+                return (
+                    f'vllm:num_requests_running{{engine="0"}} {value}\n'
+                    f'vllm:num_requests_waiting{{engine="0"}} {waiting}\n'
+                ).encode()
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(Handler)
 
 
 def test_the_sampler_gives_max_and_median_over_the_busy_samples():
