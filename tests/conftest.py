@@ -61,6 +61,7 @@ REQUIREMENTS: dict[Path, tuple[Callable[[], str | None], ...]] = {
 # tests/gpu_e2e modules that only read saved GPU runs -> the variable naming their directory.
 SAVED_RUN_CHECKS = {
     "test_sparse_attention_engine.py": "VLLM_MINIMAX_SA_RUNS",
+    "test_sparse_attention_layout.py": "VLLM_MINIMAX_SA_LAYOUT_RUNS",
     "test_tp_engine.py": "VLLM_MINIMAX_TP_RUNS",
 }
 

@@ -5,6 +5,7 @@ when a FlashInfer run is replaced by the control (a bf16-cache run)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -60,3 +61,50 @@ def test_the_bound_separates_the_measured_pair_from_the_control():
     # pair, at 1 x control by definition, is about four times it.
     assert real < 0.75 * checks.RATIO_BOUND * control
     assert checks.RATIO_BOUND < 0.3
+
+
+LAYOUT_TEST = ROOT / "tests" / "gpu_e2e" / "test_sparse_attention_layout.py"
+
+
+def _layout_runs(
+    directory: Path, flashinfer_layout: str = "LBHNC", flashinfer: str = "flashinfer-graphs"
+) -> Path:
+    """The layout phase's three runs, stood in for by the committed H100 runs of the same kind
+    (FlashInfer, Triton on fp8, Triton on bf16), each with the layout the phase would record."""
+    for name, saved, layout in (
+        ("gqa2-flashinfer-graphs", flashinfer, flashinfer_layout),
+        ("gqa2-nhd-flashinfer-graphs", "triton-graphs", "LBNHC"),
+        ("gqa2-triton-bf16-graphs", "triton-bf16-graphs", "LBHNC"),
+    ):
+        run = {**load_run(SAVED, saved), "kv_cache_layout": layout}
+        (directory / f"{name}.json").write_text(json.dumps(run))
+    return directory
+
+
+def _pytest_layout(runs: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(LAYOUT_TEST)],
+        env={**os.environ, "VLLM_MINIMAX_SA_LAYOUT_RUNS": str(runs)},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_the_layout_checks_pass_runs_of_the_expected_kind(tmp_path):
+    result = _pytest_layout(_layout_runs(tmp_path))
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert "6 passed" in result.stdout
+
+
+def test_the_layout_checks_fail_a_flashinfer_run_on_interleaved_pages(tmp_path):
+    result = _pytest_layout(_layout_runs(tmp_path, flashinfer_layout="LBNHC"))
+    assert result.returncode != 0
+    assert "1 failed" in result.stdout and "dense_pages" in result.stdout
+
+
+def test_the_layout_checks_fail_a_flashinfer_run_replaced_by_the_control(tmp_path):
+    result = _pytest_layout(_layout_runs(tmp_path, flashinfer="triton-bf16-graphs"))
+    assert result.returncode != 0
+    assert "1 failed" in result.stdout and "within_bound" in result.stdout

@@ -1,7 +1,7 @@
 """One engine run of the sparse attend on a tiny MiniMax M3; results as JSON.
 
     python tests/gpu_e2e/sparse_attention_engine.py --model DIR --attend flashinfer \
-        --kv-cache-dtype fp8 [--eager] [--mtp K] --out run.json
+        --kv-cache-dtype fp8 [--eager] [--mtp K] [--jit-monitor-error] --out run.json
 
 The model must have 8 or 16 query heads per KV head (one TP rank's group) for
 FlashInfer's attend to run; `make-tiny-model` with those head counts makes one.
@@ -10,7 +10,9 @@ prompts (random ids from a fixed seed: 8k, 16k and 24k tokens, the 16k one twice
 so the second hits the prefix cache) are scored with prompt logprobs and decode
 32 greedy tokens. The FlashInfer JIT cache is listed before the first request
 and after the last: files that appear are programs built after the engine was
-ready.
+ready. The run records the KV-cache layout the engine resolved (``kv_cache_layout``;
+``VLLM_KV_CACHE_LAYOUT`` forces one); ``--jit-monitor-error`` makes any kernel compiled
+after the engine was ready an error of the run (vLLM's JIT monitor, Triton included).
 """
 
 from __future__ import annotations
@@ -53,8 +55,12 @@ def run(args: argparse.Namespace) -> dict:
             "minimax_m3_sparse_attention_backend": args.attend,
         },
         speculative_config=speculative_config,
+        jit_monitor_mode="error" if args.jit_monitor_error else "warn",
     )
-    result: dict = {"engine_start_s": round(time.perf_counter() - started, 1)}
+    result: dict = {
+        "engine_start_s": round(time.perf_counter() - started, 1),
+        "kv_cache_layout": resolved_kv_cache_layout(llm),
+    }
     result.update(
         generate_seeded_prompts(
             llm,
@@ -65,6 +71,14 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def resolved_kv_cache_layout(llm: object) -> str | None:
+    """The layout the engine core recorded on the cache config (in-process engine core)."""
+    engine = getattr(llm, "llm_engine", None)
+    vllm_config = getattr(engine, "vllm_config", None)
+    cache_config = getattr(vllm_config, "cache_config", None)
+    return getattr(cache_config, "kv_cache_layout", None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
@@ -72,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-dtype", choices=["fp8", "auto"], default="fp8")
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--mtp", type=int, default=0)
+    parser.add_argument("--jit-monitor-error", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     try:
