@@ -27,10 +27,12 @@ def _engine_checks():
     return module
 
 
-def _pytest(runs: Path) -> subprocess.CompletedProcess[str]:
+def _pytest(
+    runs: Path, test: Path = TEST, runs_env: str = "VLLM_MINIMAX_SA_RUNS"
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TEST)],
-        env={**os.environ, "VLLM_MINIMAX_SA_RUNS": str(runs)},
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test)],
+        env={**os.environ, runs_env: str(runs)},
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -82,14 +84,7 @@ def _layout_runs(
 
 
 def _pytest_layout(runs: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(LAYOUT_TEST)],
-        env={**os.environ, "VLLM_MINIMAX_SA_LAYOUT_RUNS": str(runs)},
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
+    return _pytest(runs, LAYOUT_TEST, "VLLM_MINIMAX_SA_LAYOUT_RUNS")
 
 
 def test_the_layout_checks_pass_runs_of_the_expected_kind(tmp_path):

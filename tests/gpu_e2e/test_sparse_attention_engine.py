@@ -7,14 +7,11 @@ directory of `<run>.json`; GPU runs, checked here on any machine):
 - ``triton-bf16-graphs``: the control, a bf16 KV cache with Triton;
 - ``flashinfer-eager``: FlashInfer without CUDA graphs.
 
-Bound: the kernels differ from a float32 reference by at most 2.3e-3 relative
-L2 per layer (measured, `results/*/sparse-attention`), while an fp8 e4m3 cache
-rounds each key and value by about 2^-4 / sqrt(3) = 3.6e-2 RMS. To first order
-a prompt logprob moves in proportion to the attention's error, so the two
-attends on one fp8 cache may differ by 2.3e-3 / 3.6e-2 = 0.064 of what the
-cache dtype moves them; the bound allows four times that, 0.26, and the
-control pair (the same attend on the two caches) sits at 1 by definition and
-must be large in absolute terms.
+Bound (derived beside `SPARSE_ATTEND_RATIO_BOUND` in
+`vllm_minimax.testing.engine_runs`): the two attends on one fp8 cache may differ
+by at most 0.26 of what the cache's dtype moves the prompt logprobs; the control
+pair (the same attend on the two caches) sits at 1 by definition and must be
+large in absolute terms.
 """
 
 from __future__ import annotations
@@ -24,11 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from vllm_minimax.testing.engine_runs import load_run, mean_abs_diff
+from vllm_minimax.testing.engine_runs import (
+    SPARSE_ATTEND_MIN_CONTROL,
+    SPARSE_ATTEND_RATIO_BOUND,
+    load_finished_run,
+    mean_abs_diff,
+)
 
 RUNS_ENV = "VLLM_MINIMAX_SA_RUNS"
-RATIO_BOUND = 4 * 2.3e-3 / 3.6e-2
-MIN_CONTROL = 1e-3
+RATIO_BOUND = SPARSE_ATTEND_RATIO_BOUND
+MIN_CONTROL = SPARSE_ATTEND_MIN_CONTROL
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get(RUNS_ENV), reason=f"set {RUNS_ENV} to a directory of engine runs"
@@ -36,9 +38,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _load(name: str) -> dict:
-    run = load_run(Path(os.environ[RUNS_ENV]), name)
-    assert "error" not in run, f"{name}: {run['error']}"
-    return run
+    return load_finished_run(Path(os.environ[RUNS_ENV]), name)
 
 
 def test_control_pair_moves_the_logprobs():

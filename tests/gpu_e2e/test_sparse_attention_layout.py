@@ -14,8 +14,9 @@ monitor in error mode:
   after the engine is ready;
 - ``gqa2-triton-bf16-graphs``: the control, Triton on a bf16 KV cache.
 
-The bound is the one of `test_sparse_attention_engine.py`: the two attends on one fp8 cache
-may differ by at most 0.26 of what the cache's dtype moves the prompt logprobs.
+The bound and the control's floor are those of `test_sparse_attention_engine.py` (derived in
+`vllm_minimax.testing.engine_runs`): the two attends on one fp8 cache may differ by at most
+0.26 of what the cache's dtype moves the prompt logprobs.
 """
 
 from __future__ import annotations
@@ -25,11 +26,16 @@ from pathlib import Path
 
 import pytest
 
-from vllm_minimax.testing.engine_runs import load_run, mean_abs_diff
+from vllm_minimax.testing.engine_runs import (
+    SPARSE_ATTEND_MIN_CONTROL,
+    SPARSE_ATTEND_RATIO_BOUND,
+    load_finished_run,
+    mean_abs_diff,
+)
 
 RUNS_ENV = "VLLM_MINIMAX_SA_LAYOUT_RUNS"
-RATIO_BOUND = 4 * 2.3e-3 / 3.6e-2
-MIN_CONTROL = 1e-3
+RATIO_BOUND = SPARSE_ATTEND_RATIO_BOUND
+MIN_CONTROL = SPARSE_ATTEND_MIN_CONTROL
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get(RUNS_ENV), reason=f"set {RUNS_ENV} to a directory of engine runs"
@@ -37,9 +43,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _load(name: str) -> dict:
-    run = load_run(Path(os.environ[RUNS_ENV]), name)
-    assert "error" not in run, f"{name}: {run['error']}"
-    return run
+    return load_finished_run(Path(os.environ[RUNS_ENV]), name)
 
 
 def test_the_flashinfer_attend_gets_dense_pages():
