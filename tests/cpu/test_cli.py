@@ -453,3 +453,28 @@ def test_an_os_error_of_make_tiny_model_is_not_blamed_on_the_vllm_install(
         f"vllm-minimax: error: permission denied: {tmp_path / 'model'}: run as a user who may"
         " use it, or choose a path you own"
     )
+
+
+@pytest.mark.parametrize("command", ["apply", "status", "revert"])
+def test_no_vllm_here_names_this_python_and_the_way_out(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run from a Python without vLLM (e.g. installed by another Python's bare `pip` from a uv
+    venv), the commands name that Python, so the user sees which environment they are in."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+
+    def no_vllm(name: str, package: str | None = None) -> object:
+        return None if name == "vllm" else real_find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_vllm)
+    assert main([command]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.strip().splitlines()
+    assert line == (
+        f"vllm-minimax: error: vLLM is not installed for {sys.executable}, the Python this"
+        " vllm-minimax runs in: install vllm-minimax into the environment that has vLLM (in a"
+        " uv venv, with `uv pip install`), or pass --target DIR"
+    )

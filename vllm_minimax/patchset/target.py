@@ -6,6 +6,7 @@ import errno
 import importlib.util
 import os
 import re
+import sys
 from pathlib import Path
 
 from vllm_minimax.errors import PatchError
@@ -49,7 +50,11 @@ def find_vllm_root(target: Path | None) -> Path:
         return target.resolve()
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
-        raise PatchError("vLLM is not installed in this Python environment; pass --target DIR")
+        raise PatchError(
+            f"vLLM is not installed for {sys.executable}, the Python this vllm-minimax runs in:"
+            " install vllm-minimax into the environment that has vLLM (in a uv venv, with"
+            " `uv pip install`), or pass --target DIR"
+        )
     package_dir = Path(next(iter(spec.submodule_search_locations)))
     return package_dir.parent.resolve()
 
