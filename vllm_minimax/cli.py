@@ -169,9 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     config_commands = config_parser.add_subparsers(
         dest="config_command", required=True, metavar="COMMAND"
     )
-    config_commands.add_parser("list", help="each shipped config's name and file").set_defaults(
-        handler=run_config_list
-    )
+    config_commands.add_parser(
+        "list", help="the serving configs (name, checkpoint, file), then the eval suite's"
+    ).set_defaults(handler=run_config_list)
     config_path_parser = config_commands.add_parser("path", help="print a shipped config's file")
     config_path_parser.add_argument("name", metavar="NAME", help="e.g. h200-8x")
     config_path_parser.set_defaults(handler=run_config_path)
@@ -434,12 +434,24 @@ def run_doctor(args: argparse.Namespace) -> int:
 
 
 def run_config_list(args: argparse.Namespace) -> int:
-    from vllm_minimax.serve_config import shipped_configs
+    from vllm_minimax.serve_config import shipped_config_groups, stated_checkpoint
 
-    configs = shipped_configs()
-    width = max((len(name) for name in configs), default=0)
-    for name, path in configs.items():
-        print(f"{name:<{width}}  {path}")
+    serving, eval_suite = shipped_config_groups()
+    width = max((len(name) for name in serving), default=0)
+    checkpoints = {
+        name: stated_checkpoint(path) or "(no checkpoint sized)" for name, path in serving.items()
+    }
+    checkpoint_width = max((len(text) for text in checkpoints.values()), default=0)
+    print('serving configs: vllm serve CHECKPOINT --config "$(vllm-minimax config path NAME)"')
+    for name, path in serving.items():
+        print(f"  {name:<{width}}  {checkpoints[name]:<{checkpoint_width}}  {path}")
+    print(
+        "the eval suite's server configs (tiny models, one rank with dummy weights; not for"
+        " serving MiniMax M3: evals/README.md)"
+    )
+    eval_width = max((len(name) for name in eval_suite), default=0)
+    for name, path in eval_suite.items():
+        print(f"  {name:<{eval_width}}  {path}")
     return 0
 
 

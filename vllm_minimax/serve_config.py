@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,14 +56,36 @@ def serve_configs_root() -> Path:
 def shipped_configs() -> dict[str, Path]:
     """Every shipped `vllm serve` config by name: the serving configs, then the eval suite's
     server configs (``cpu-server``, ...)."""
+    serving, eval_suite = shipped_config_groups()
+    return {**serving, **eval_suite}
+
+
+def shipped_config_groups() -> tuple[dict[str, Path], dict[str, Path]]:
+    """The serving configs by name, and apart the eval suite's server configs (tiny models,
+    one rank with dummy weights) whose names no serving config takes."""
     from vllm_minimax.evals.presets import eval_configs_root
 
-    found: dict[str, Path] = {}
-    for directory in (serve_configs_root(), eval_configs_root()):
-        if directory.is_dir():
-            for path in sorted(directory.glob("*.yaml")):
-                found.setdefault(path.stem, path)
-    return found
+    serving = _configs_in(serve_configs_root())
+    eval_suite = {
+        name: path for name, path in _configs_in(eval_configs_root()).items() if name not in serving
+    }
+    return serving, eval_suite
+
+
+def _configs_in(directory: Path) -> dict[str, Path]:
+    if not directory.is_dir():
+        return {}
+    return {path.stem: path for path in sorted(directory.glob("*.yaml"))}
+
+
+_STATED_CHECKPOINT = re.compile(r"^#\s+checkpoint:\s*(\S+)", re.M)
+
+
+def stated_checkpoint(path: Path) -> str | None:
+    """The checkpoint a serving config's memory budget names (``#   checkpoint: NAME``), or
+    None when it sizes none."""
+    match = _STATED_CHECKPOINT.search(path.read_text(encoding="utf-8"))
+    return match.group(1) if match else None
 
 
 def resolve_config(name_or_path: str | os.PathLike[str]) -> Path:

@@ -37,6 +37,31 @@ def test_a_name_resolves_and_an_unknown_one_lists_the_names() -> None:
         serve_config.resolve_config("configs/serve/h300.yaml")
 
 
+def test_config_list_puts_the_serving_configs_apart_with_their_checkpoints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A newcomer picks a config from `config list`: the serving configs come first, each with
+    the checkpoint its budget names, and the eval suite's server configs (one rank with dummy
+    weights, tiny models) only under their own heading."""
+    from vllm_minimax.cli import main
+
+    assert main(["config", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("serving configs: vllm serve CHECKPOINT --config")
+    eval_heading = next(i for i, line in enumerate(lines) if line.startswith("the eval suite's"))
+    serving = {line.split()[0]: line.split()[1:] for line in lines[1:eval_heading]}
+    assert list(serving) == [path.stem for path in SERVE_CONFIGS]
+    for path in SERVE_CONFIGS:
+        budget = re.search(r"^#\s+checkpoint:\s*(\S+)", path.read_text(), re.M)
+        checkpoint = budget.group(1) if budget else "(no checkpoint sized)"
+        assert " ".join(serving[path.stem][:-1]) == checkpoint
+        assert Path(serving[path.stem][-1]).resolve() == path.resolve()
+    assert serving["h100-8x"][0] == "MiniMaxAI/MiniMax-M3-MXFP8"
+    assert serving["h200-8x-bf16"][0] == "MiniMaxAI/MiniMax-M3"
+    eval_suite = [line.split()[0] for line in lines[eval_heading + 1 :]]
+    assert eval_suite == [path.stem for path in sorted((REPO_ROOT / "evals").glob("*.yaml"))]
+
+
 def test_config_path_works_from_any_directory(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "vllm_minimax", "config", "path", "h200-8x"],
