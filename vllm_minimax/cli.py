@@ -555,6 +555,22 @@ SERVE_HINT = {
 }
 
 
+# What writing a random-weight checkpoint imports; a vLLM environment has them all.
+TINY_MODEL_MODULES = ("torch", "safetensors", "tokenizers", "transformers")
+
+
+def require_importable(command: str, modules: tuple[str, ...]) -> None:
+    """Refuse, before anything is written, when this Python lacks a module ``command`` needs."""
+    import importlib.util
+
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(
+            f"{command} needs {', '.join(missing)}, which {sys.executable} cannot import: run"
+            " it in the environment where vLLM is installed (vLLM brings them)"
+        )
+
+
 def run_make_tiny_model(args: argparse.Namespace) -> int:
     from vllm_minimax import tiny_model
 
@@ -579,6 +595,7 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
         raise UserError("--initializer-range and --mtp-modules apply to --kind minimax-m3 only")
     if args.kind == "llama" and args.geometry != tiny_model.TINY_GEOMETRY:
         raise UserError(f"--geometry {args.geometry} is a MiniMax M3; --kind llama has its own")
+    require_importable("make-tiny-model", TINY_MODEL_MODULES)
     directory: Path = args.directory
     check_model_directory(directory, args.force)
     if args.kind == "llama":

@@ -478,3 +478,21 @@ def test_no_vllm_here_names_this_python_and_the_way_out(
         " vllm-minimax runs in: install vllm-minimax into the environment that has vLLM (in a"
         " uv venv, with `uv pip install`), or pass --target DIR"
     )
+
+
+def test_make_tiny_model_without_torch_is_one_line_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Outside a vLLM environment (no torch), make-tiny-model says what it needs, in one line
+    with exit 2, instead of a traceback half-way through."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` fails, as without it
+    directory = tmp_path / "tiny"
+    assert main(["make-tiny-model", str(directory)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.strip().splitlines()
+    assert line == (
+        f"vllm-minimax: error: make-tiny-model needs torch, which {sys.executable} cannot"
+        " import: run it in the environment where vLLM is installed (vLLM brings them)"
+    )
+    assert not directory.exists()
