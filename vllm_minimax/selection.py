@@ -98,6 +98,8 @@ def indexer_hint(reason: str, forced: bool) -> str:
         return (
             "set attention-config.indexer_kv_dtype: fp8 in the config (doctor: --indexer-kv-dtype)"
         )
+    if "requires CUDA fp8 support" in reason:
+        return "attention-config.indexer_kv_dtype: bf16 (this GPU has no fp8 for the index cache)"
     if "index heads per rank" in reason:
         return "tensor-parallel-size (index heads per rank: max(1, 4 // TP))"
     if "compute capability" in reason:
@@ -146,6 +148,9 @@ def sparse_attention_rule(
     return True, None
 
 
+NO_SPARSE_ATTENTION_HERE = "none in the config: FlashInfer's sparse attention runs on 9.0 only"
+
+
 def sparse_attention_hint(reason: str) -> str:
     """The key that changes the sparse attention's outcome, from vLLM's reason."""
     if "kv-cache-dtype" in reason or "KV cache is" in reason:
@@ -153,7 +158,7 @@ def sparse_attention_hint(reason: str) -> str:
     if "query heads per KV head" in reason or "KV heads per rank" in reason:
         return "tensor-parallel-size (query heads per KV head at a rank: 8 at TP 8, 16 at TP 1-4)"
     if "compute capability" in reason:
-        return "none in the config: FlashInfer's sparse attention runs on 9.0 only"
+        return NO_SPARSE_ATTENTION_HERE
     return f"attention-config.{probe.SPARSE_ATTENTION_KEY}"
 
 
@@ -205,14 +210,10 @@ def sparse_attention_row(
         return Row("sparse attention", backend, log, Outcome.READY)
     if config.kv_cache_dtype_resolved not in ("fp8", "fp8_e4m3"):
         # A bf16 (or e5m2) KV cache is the config's choice, and Triton its attend: nothing
-        # falls back. The hint says what would change it.
-        return Row(
-            "sparse attention",
-            backend,
-            f"as configured: {log}",
-            Outcome.READY,
-            sparse_attention_hint(log),
-        )
+        # falls back. The hint says what would change it: on 9.0 the KV cache's dtype, and
+        # elsewhere nothing in the config.
+        hint = sparse_attention_hint(log) if capability == (9, 0) else NO_SPARSE_ATTENTION_HERE
+        return Row("sparse attention", backend, f"as configured: {log}", Outcome.READY, hint)
     if "FlashInfer not used" not in log:
         # No FlashInfer attend exists for this GPU: Triton is vLLM's own choice.
         return Row("sparse attention", backend, log, Outcome.READY)

@@ -300,3 +300,30 @@ def test_commands_take_a_shipped_configs_name(argv: list[str]) -> None:
 
     args = cli.build_parser().parse_args(argv)
     assert args.config == REPO_ROOT / "configs" / "serve" / "h200-8x.yaml"
+
+
+def test_a_bf16_kv_cache_off_sm90_names_no_key_that_would_bring_flashinfer(monkeypatch) -> None:
+    """On 12.0 FlashInfer's sparse attention does not exist: the row of a bf16 cache must not
+    send the user to the backend key (setting it to flashinfer stops the engine)."""
+    from vllm_minimax import probe
+
+    stock_log = "MiniMax M3 sparse attention selected Triton (kv_cache_dtype=bf16, topk_blocks=16)"
+    monkeypatch.setattr(probe, "sparse_attention_in_series", lambda: True)
+    monkeypatch.setattr(
+        probe, "select_sparse_attention", chose("MiniMaxM3SparseTritonImpl", stock_log)
+    )
+    row = selection.sparse_attention_row(ServeConfig(source="test"), (12, 0))
+    assert (row.backend, row.outcome) == ("Triton", selection.Outcome.READY)
+    assert row.hint == "none in the config: FlashInfer's sparse attention runs on 9.0 only"
+
+
+def test_an_fp8_index_cache_on_a_gpu_without_fp8_points_at_the_dtype() -> None:
+    """vLLM refuses an fp8 index cache where the GPU has no fp8 (e.g. 8.0): the change is the
+    cache's dtype, not the backend key the config already leaves at auto."""
+    reason = (
+        "NotImplementedError: indexer_kv_dtype='fp8' requires CUDA fp8 support or ROCm gfx942"
+        " for the Triton indexer. ROCm gfx950 supports fp8 through the AITER MSA indexer."
+    )
+    assert selection.indexer_hint(reason, True) == (
+        "attention-config.indexer_kv_dtype: bf16 (this GPU has no fp8 for the index cache)"
+    )
