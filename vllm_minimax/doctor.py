@@ -179,7 +179,7 @@ def report(
 
     if not state.clean:
         print("selection:    not checked: the series is not cleanly applied to this vLLM")
-        return result(EXIT_NOT_APPLIED, "run `vllm-minimax apply` (status shows each file)")
+        return result(EXIT_NOT_APPLIED, way_to_a_clean_series(state))
     # Validated by the CLI: a (major, minor) of a known GPU, or None for this machine.
     capability: tuple[int, int] | None = args.capability
     if capability is None and real_capability is None:
@@ -223,6 +223,16 @@ def report(
     if selection.Outcome.FALLBACK in outcomes:
         return result(EXIT_FALLBACK, "runs, with Triton where FlashInfer could be used")
     return result(EXIT_READY, "runs as configured")
+
+
+def way_to_a_clean_series(state: patchset.SeriesState) -> str:
+    """What to run when the series is not cleanly applied: `apply` only where it would work."""
+    if not state.applied and state.problem is None:
+        return "run `vllm-minimax apply` (status shows each file)"
+    if state.applied and all(file_state == "as-applied" for _, file_state in state.files):
+        # Another revision or release of the series: `apply` refuses until it is reverted.
+        return "run `vllm-minimax revert`, then `vllm-minimax apply` (the problem above)"
+    return "`vllm-minimax apply` alone does not fix this: see the lines above"
 
 
 def one_line(text: str) -> str:
