@@ -63,7 +63,8 @@ MAX_SEED = 2**63 - 1
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROGRAM,
-        description="FlashInfer's MSA indexer for MiniMax M3, as a patch series over vLLM.",
+        description="FlashInfer's MSA kernels for MiniMax M3 (the indexer; the sparse attention"
+        " with an fp8 KV cache on SM90), as a patch series over vLLM.",
     )
     try:
         series = ", ".join(supported_versions()) or "none"
