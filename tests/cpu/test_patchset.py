@@ -707,6 +707,13 @@ def test_version_from_pkg_info_of_source_tree(tmp_path: Path) -> None:
     assert patchset.read_vllm_version(tmp_path) == "0.33.1"
 
 
+def test_version_of_another_packages_pkg_info_is_not_vllms(tmp_path: Path) -> None:
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "PKG-INFO").write_text("Metadata-Version: 2.4\nName: vllm-addon\nVersion: 0.34.0\n")
+    with pytest.raises(PatchError, match="cannot tell the vLLM version"):
+        patchset.read_vllm_version(tmp_path)
+
+
 def test_version_unknown(tmp_path: Path) -> None:
     (tmp_path / "vllm").mkdir()
     with pytest.raises(PatchError, match="cannot tell the vLLM version"):

@@ -31,8 +31,9 @@ from patchset_helpers import RecordedSeries, tree_manifest
 
 from vllm_minimax import patchset
 from vllm_minimax.cli import main
-from vllm_minimax.errors import describe_os_error
+from vllm_minimax.errors import PatchError, describe_os_error
 from vllm_minimax.patchset import STATE_FILE
+from vllm_minimax.patchset.tree import TargetTree
 
 BASE_FILES = {
     "vllm/__init__.py": "",
@@ -402,6 +403,43 @@ def tamper_dotdot_inside_vllm(state: dict[str, Any], scene: Scene) -> str:
     return "is not a relative path inside vllm/"
 
 
+def tamper_outside_vllm(state: dict[str, Any], scene: Scene) -> str:
+    """A file of the target root beside vllm/ (site-packages holds other packages there)."""
+    sibling = scene.target / "otherpkg" / "__init__.py"
+    sibling.parent.mkdir()
+    sibling.write_text("# another package's file\n")
+    state["files"].append(
+        {
+            "path": "otherpkg/__init__.py",
+            "before": original_of(b"import os  # planted\n"),
+            "after": {"sha256": sha256_text(sibling.read_text())},
+        }
+    )
+    return "'otherpkg/__init__.py' is not a relative path inside vllm/"
+
+
+def tamper_lists_itself(state: dict[str, Any], scene: Scene) -> str:
+    state["files"].append(
+        {"path": str(STATE_FILE), "before": original_of(b"{}\n", 0o644), "after": None}
+    )
+    return "the state file lists itself"
+
+
+def tamper_other_format(state: dict[str, Any], scene: Scene) -> str:
+    state["format"] = 2
+    return "has format 2; this vllm-minimax understands format 1"
+
+
+def tamper_version_not_a_number(state: dict[str, Any], scene: Scene) -> str:
+    state["vllm_version"] = "0.34.0 (patched)"
+    return "'vllm_version' '0.34.0 (patched)' is not a version number"
+
+
+def tamper_path_not_printable(state: dict[str, Any], scene: Scene) -> str:
+    state["files"][0]["path"] = "vllm/alpha\x1b[2J.py"
+    return "holds a character that cannot be shown"
+
+
 def tamper_after_and_before_null(state: dict[str, Any], scene: Scene) -> str:
     state["files"].append({"path": "vllm/ghost.py", "before": None, "after": None})
     return "has neither 'before' nor 'after'"
@@ -468,6 +506,11 @@ TAMPERINGS = [
     tamper_outside_relative,
     tamper_absolute,
     tamper_dotdot_inside_vllm,
+    tamper_outside_vllm,
+    tamper_lists_itself,
+    tamper_other_format,
+    tamper_version_not_a_number,
+    tamper_path_not_printable,
     tamper_after_and_before_null,
     tamper_after_not_a_sha,
     tamper_setuid_mode,
@@ -569,6 +612,67 @@ def test_temp_name_planted_as_link_is_not_followed(
     assert not os.path.lexists(planted)
     assert scene.outside_manifest() == outside
     assert scene.manifest() == scene.applied
+
+
+def test_revert_refuses_when_an_original_was_deleted(
+    scene: Scene, capsys: pytest.CaptureFixture[str]
+) -> None:
+    set_tree(scene, "revert")
+    (scene.target / "vllm" / "alpha.py").unlink()
+    before = scene.manifest()
+    capsys.readouterr()
+    assert main(["revert", "--target", str(scene.target)]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert "refusing to revert" in line and "vllm/alpha.py (missing)" in line, line
+    assert scene.manifest() == before
+
+
+def test_revert_keeps_a_users_file_in_a_directory_the_series_created(
+    scene: Scene, capsys: pytest.CaptureFixture[str]
+) -> None:
+    set_tree(scene, "revert")
+    mine = scene.target / "vllm" / "new" / "pkg" / "mine.py"
+    mine.write_text("# the user's\n")
+    assert main(["revert", "--target", str(scene.target)]) == 0, capsys.readouterr().err
+    assert mine.read_text() == "# the user's\n"
+    after = scene.manifest()
+    kept = {"vllm/new/", "vllm/new/pkg/", "vllm/new/pkg/mine.py"}
+    assert set(after) - set(scene.pristine) == kept
+    assert {path: after.get(path) for path in scene.pristine} == scene.pristine
+
+
+def test_a_taken_temporary_name_is_never_written_through(
+    scene: Scene, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first random name is taken by a hard link to an outside file (which no
+    O_NOFOLLOW refuses): the temporary is created under another name, the file untouched."""
+    victim = scene.outside / "victim.txt"
+    taken = scene.target / "vllm" / f".alpha.py.aaaaaaaa{patchset.TEMP_SUFFIX}"
+    os.link(victim, taken)
+    tokens = iter(["aaaaaaaa", "bbbbbbbb"])
+    monkeypatch.setattr("vllm_minimax.patchset.tree.secrets.token_hex", lambda _n: next(tokens))
+    outside = scene.outside_manifest()
+    with TargetTree(scene.target) as tree:
+        temporary = tree.write_temporary("vllm/alpha.py", b"new bytes\n", 0o644)
+    assert temporary == f"vllm/.alpha.py.bbbbbbbb{patchset.TEMP_SUFFIX}"
+    assert (scene.target / temporary).read_bytes() == b"new bytes\n"
+    assert scene.outside_manifest() == outside
+    assert victim.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_file_swapped_after_its_check_is_read_only_if_regular(scene: Scene) -> None:
+    """What a race can put at a checked path between the check and the read: a link to an
+    outside file is refused, not followed; a FIFO is refused, not read as empty."""
+    link = scene.target / "vllm" / "alpha.py"
+    link.unlink()
+    link.symlink_to(scene.outside / "victim.txt")
+    (scene.target / "vllm" / "beta.py").unlink()
+    os.mkfifo(scene.target / "vllm" / "beta.py")
+    with TargetTree(scene.target) as tree:
+        with pytest.raises(PatchError, match=r"alpha\.py is a symbolic link"):
+            tree.read("vllm/alpha.py")
+        with pytest.raises(PatchError, match=r"beta\.py is not a regular file"):
+            tree.read("vllm/beta.py")
 
 
 def test_revert_removes_litter_even_with_nothing_to_revert(
@@ -733,12 +837,12 @@ def test_stale_staging_dir_of_a_dead_run_is_removed(
     dead.wait()
     stale = tmp_path / "tmp" / f"{patchset.STAGING_PREFIX}{dead.pid}-abcd1234"
     alive = tmp_path / "tmp" / f"{patchset.STAGING_PREFIX}{os.getpid()}-efgh5678"
-    for directory in (stale, alive):
+    not_a_pid = tmp_path / "tmp" / f"{patchset.STAGING_PREFIX}notes"
+    for directory in (stale, alive, not_a_pid):
         (directory / "tree").mkdir(parents=True)
     assert main(["status", "--target", str(scene.target)]) == 1
     assert not stale.exists()
-    assert alive.exists()
-    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == [alive.name]
+    assert sorted(p.name for p in (tmp_path / "tmp").iterdir()) == [alive.name, not_a_pid.name]
 
 
 # ------------------------------------------------------------------------------------------
