@@ -127,6 +127,14 @@ def test_kv_bytes_per_token_is_what_vllm_allotted_on_the_h200_slice():
     assert round(tokens * per_token / GIB, 2) == logged_gib
 
 
+def test_each_mtp_module_adds_one_sparse_layers_kv_and_index_key():
+    tp8 = Parallelism(tensor_parallel_size=8)
+    added = kv_bytes_per_token(tp8, "auto", "fp8", mtp_modules=1) - kv_bytes_per_token(
+        tp8, "auto", "fp8"
+    )
+    assert added == 1 * 128 * 2 * 2 + 128  # K and V of one KV head in bf16, one fp8 index key
+
+
 def test_there_are_sm90_configs():
     names = {path.name for path in SM90_CONFIGS}
     assert {"h100-8x.yaml", "h200-8x.yaml", "h100-16x-2node.yaml"} <= names
@@ -173,6 +181,24 @@ def test_a_kv_budget_past_the_card_does_not_fit(tmp_path):
     planted.write_text(h200.replace(f"{stated:,} tokens", f"{2 * stated:,} tokens", 1))
     assert read_stated_budget(planted.read_text()).kv_tokens == 2 * stated
     assert check_serving_config(planted).fits is False
+
+
+def test_the_reserve_counts_against_the_card(tmp_path):
+    """Weights, KV cache and reserve must fit together: a reserve larger than the headroom
+    the other two leave does not."""
+    h100 = (CONFIG_DIR / "h100-8x.yaml").read_text()
+    check = check_serving_config(CONFIG_DIR / "h100-8x.yaml")
+    assert check.fits
+    headroom = check.limit_gib - check.weights_gib - check.kv_gib
+    planted = tmp_path / "h100-8x.yaml"
+    planted.write_text(
+        re.sub(r"(?m)^#   reserve: .*$", f"#   reserve: {headroom + 1:.2f} GiB", h100)
+    )
+    grown = check_serving_config(planted)
+    assert grown.used_gib == pytest.approx(
+        grown.weights_gib + grown.kv_gib + headroom + 1, abs=0.01
+    )
+    assert not grown.fits
 
 
 def test_a_lower_gpu_memory_utilization_is_read(tmp_path):
