@@ -122,6 +122,8 @@ def test_per_rank_heads(tp: int, query: int, kv: int, index: int, group: int) ->
     [
         ("- a\n- b\n", "a mapping of option names"),
         ("tensor-parallel-size: eight\n", "tensor-parallel-size must be a positive integer"),
+        ("tensor-parallel-size: 0\n", "tensor-parallel-size must be a positive integer"),
+        ("block-size: true\n", "block-size must be a positive integer"),
         ("attention-config: '{not json'\n", "attention-config is not JSON"),
         ("attention-config: [1]\n", "attention-config must be a mapping"),
         ("key: [unclosed\n", "cannot be read as YAML"),
