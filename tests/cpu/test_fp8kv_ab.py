@@ -387,6 +387,17 @@ def test_each_target_is_the_ratio_of_medians_in_its_direction():
     assert "below 1 at mixed-c16" in never["detail"]
 
 
+def test_a_zero_denominator_is_not_measured_rather_than_a_crash():
+    """An arm whose every level served nothing (0 tok/s) gives no ratio."""
+    mixed = {
+        "bf16": three((0.0, 0.0, 0.0), SAME, SAME),
+        "fp8-flashinfer": three((140.0, 150.0, 130.0), SAME, SAME),
+    }
+    rows = by_point(fp8kv_targets.target_rows([run({"mixed-c16": mixed})], "h100"))
+    assert rows["tok/s", "mixed-c16"]["status"] == "not measured"
+    assert rows["tok/s", "mixed-c16"]["ratio"] is None
+
+
 def test_rows_say_what_was_not_measured_and_what_is_not_a_target_on_the_h200():
     mixed = {
         "bf16": three((100.0, 100.0, 100.0), SAME, SAME),
