@@ -60,6 +60,17 @@ def test_a_score_without_baseline_fails():
     assert not result.passed and result.note == "no baseline"
 
 
+def test_each_score_is_compared_with_the_baseline_of_its_task_and_metric():
+    strict = score(0.90)
+    flexible = Score("gsm8k", "exact_match,flexible-extract", 0.50, 0.01, 1000)
+    baseline = [score(0.10), Score(flexible.task, flexible.metric, 0.50, 0.01, 1000)]
+    results = accuracy.compare_all([strict, flexible], baseline)
+    assert [(r.metric, r.baseline, r.passed) for r in results] == [
+        (strict.metric, 0.10, False),
+        (flexible.metric, 0.50, True),
+    ]
+
+
 def test_stderr_key_follows_lm_eval():
     assert accuracy.stderr_key("exact_match,strict-match") == "exact_match_stderr,strict-match"
     assert accuracy.stderr_key("32768,none") == "32768_stderr,none"
