@@ -4,7 +4,6 @@ when a FlashInfer run is replaced by the control (a bf16-cache run)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -12,19 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_minimax.testing.engine_runs import load_run, mean_abs_diff
+from vllm_minimax.testing.engine_runs import (
+    SPARSE_ATTEND_RATIO_BOUND,
+    load_run,
+    mean_abs_diff,
+    record_run,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SAVED = ROOT / "results" / "h100" / "sparse-attention" / "engine"
 TEST = ROOT / "tests" / "gpu_e2e" / "test_sparse_attention_engine.py"
-
-
-def _engine_checks():
-    spec = importlib.util.spec_from_file_location("sparse_attention_engine_checks", TEST)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _pytest(
@@ -56,13 +52,12 @@ def test_a_flashinfer_run_replaced_by_the_control_fails(tmp_path):
 
 
 def test_the_bound_separates_the_measured_pair_from_the_control():
-    checks = _engine_checks()
     control = mean_abs_diff(load_run(SAVED, "triton-graphs"), load_run(SAVED, "triton-bf16-graphs"))
     real = mean_abs_diff(load_run(SAVED, "flashinfer-graphs"), load_run(SAVED, "triton-graphs"))
     # The margin: the measured pair sits at about half the bound; the control
     # pair, at 1 x control by definition, is about four times it.
-    assert real < 0.75 * checks.RATIO_BOUND * control
-    assert checks.RATIO_BOUND < 0.3
+    assert real < 0.75 * SPARSE_ATTEND_RATIO_BOUND * control
+    assert SPARSE_ATTEND_RATIO_BOUND < 0.3
 
 
 LAYOUT_TEST = ROOT / "tests" / "gpu_e2e" / "test_sparse_attention_layout.py"
@@ -103,3 +98,17 @@ def test_the_layout_checks_fail_a_flashinfer_run_replaced_by_the_control(tmp_pat
     result = _pytest_layout(_layout_runs(tmp_path, flashinfer="triton-bf16-graphs"))
     assert result.returncode != 0
     assert "1 failed" in result.stdout and "within_bound" in result.stdout
+
+
+def test_a_run_script_records_its_result_or_its_error(tmp_path):
+    """record_run, behind sparse_attention_engine.py and tp_engine.py: a run that raises
+    leaves its error for the checks to report, and the exit status says which it was."""
+    out = tmp_path / "run.json"
+    assert record_run(lambda: {"requests": []}, out) == 0
+    assert json.loads(out.read_text()) == {"requests": []}
+
+    def engine_fails() -> dict:
+        raise RuntimeError("no KV cache fits")
+
+    assert record_run(engine_fails, out) == 1
+    assert json.loads(out.read_text()) == {"error": "RuntimeError: no KV cache fits"}

@@ -18,13 +18,12 @@ after the engine was ready an error of the run (vLLM's JIT monitor, Triton inclu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from vllm_minimax.testing.engine_runs import generate_seeded_prompts
+from vllm_minimax.testing.engine_runs import generate_seeded_prompts, record_run
 
 PROMPT_LENS = (8192, 16384, 24576, 16384)
 
@@ -89,12 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jit-monitor-error", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    try:
-        result = run(args)
-    except Exception as exc:  # recorded for the comparison to report
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    args.out.write_text(json.dumps(result))
-    return 0 if "error" not in result else 1
+    return record_run(lambda: run(args), args.out)
 
 
 if __name__ == "__main__":

@@ -23,13 +23,12 @@ refuses to start unless the environment keeps it off (MULTICAST_OFF).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from vllm_minimax.testing.engine_runs import generate_seeded_prompts
+from vllm_minimax.testing.engine_runs import generate_seeded_prompts, record_run
 
 PROMPT_LENS = (8192, 16384, 8192)
 MAX_TOKENS = 16
@@ -104,12 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if unsafe:
         print("NVLink multicast is not off: " + ", ".join(unsafe), file=sys.stderr)
         return 2
-    try:
-        result = run(args)
-    except Exception as exc:  # recorded for the checks to report
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    args.out.write_text(json.dumps(result))
-    return 0 if "error" not in result else 1
+    return record_run(lambda: run(args), args.out)
 
 
 if __name__ == "__main__":

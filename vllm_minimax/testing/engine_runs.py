@@ -14,7 +14,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,17 @@ from typing import Any
 # 1 by definition and must move the logprobs by more than SPARSE_ATTEND_MIN_CONTROL.
 SPARSE_ATTEND_RATIO_BOUND = 4 * 2.3e-3 / 3.6e-2
 SPARSE_ATTEND_MIN_CONTROL = 1e-3
+
+
+def record_run(run: Callable[[], dict[str, Any]], out: Path) -> int:
+    """Write what `run` returns to `out` as JSON, or ``{"error": ...}`` when it raises (the
+    checks then report the run's failure); the exit status says which."""
+    try:
+        result = run()
+    except Exception as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    out.write_text(json.dumps(result))
+    return 0 if "error" not in result else 1
 
 
 def load_run(directory: Path, name: str) -> dict[str, Any]:
