@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--case", action="append", help="a case name (default: all)")
+    parser.add_argument("--case-timeout", type=float, default=240.0, help="seconds a case may take")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     by_name = {case.name: case for case in CASES}
@@ -112,11 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows, failed = [], 0
     for name in names:
-        proc = subprocess.run(
-            [sys.executable, "-m", __spec__.name, "--out", str(args.out), "--child", name],
-            capture_output=True,
-            text=True,
-        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", __spec__.name, "--out", str(args.out), "--child", name],
+                capture_output=True,
+                text=True,
+                timeout=args.case_timeout,
+            )
+        except subprocess.TimeoutExpired:
+            failed += 1
+            print(f"{name}: over {args.case_timeout:.0f}s")
+            rows.append({"name": name, "error": [f"over {args.case_timeout:.0f}s"]})
+            continue
         if proc.returncode != 0:
             failed += 1
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
@@ -124,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"name": name, "error": tail})
             continue
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    (args.out / "warmup_memory.json").write_text(json.dumps(rows, indent=1) + "\n")
+        # Written after each case, so a run cut short keeps what it measured.
+        (args.out / "warmup_memory.json").write_text(json.dumps(rows, indent=1) + "\n")
     print("case | seqs | tokens | mtp | launches | s | free drop GiB | scratch GiB (entries)")
     for row in rows:
         if "error" in row:

@@ -1,7 +1,8 @@
 """One engine run of the sparse attend on a tiny MiniMax M3; results as JSON.
 
     python tests/gpu_e2e/sparse_attention_engine.py --model DIR --attend flashinfer \
-        --kv-cache-dtype fp8 [--eager] [--mtp K] [--jit-monitor-error] --out run.json
+        --kv-cache-dtype fp8 [--eager] [--mtp K] [--max-num-seqs N] [--jit-monitor-error] \
+        --out run.json
 
 The model must have 8 or 16 query heads per KV head (one TP rank's group) for
 FlashInfer's attend to run; `make-tiny-model` with those head counts makes one.
@@ -12,7 +13,9 @@ so the second hits the prefix cache) are scored with prompt logprobs and decode
 and after the last: files that appear are programs built after the engine was
 ready. The run records the KV-cache layout the engine resolved (``kv_cache_layout``;
 ``VLLM_KV_CACHE_LAYOUT`` forces one); ``--jit-monitor-error`` makes any kernel compiled
-after the engine was ready an error of the run (vLLM's JIT monitor, Triton included).
+after the engine was ready an error of the run (vLLM's JIT monitor, Triton included). It
+records what the process holds on the GPU once the engine is ready (``gpu_used_after_ready_gib``),
+beside the share of the card it was given.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 from vllm_minimax.testing.engine_runs import generate_seeded_prompts, record_run
 
 PROMPT_LENS = (8192, 16384, 24576, 16384)
+GPU_MEMORY_UTILIZATION = 0.3
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -44,9 +48,9 @@ def run(args: argparse.Namespace) -> dict:
         seed=0,
         max_model_len=32768,
         max_num_batched_tokens=8192,
-        max_num_seqs=16,
+        max_num_seqs=args.max_num_seqs,
         enforce_eager=args.eager,
-        gpu_memory_utilization=0.3,
+        gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
         kv_cache_dtype=args.kv_cache_dtype,
         block_size=128,
         attention_config={
@@ -59,6 +63,7 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {
         "engine_start_s": round(time.perf_counter() - started, 1),
         "kv_cache_layout": resolved_kv_cache_layout(llm),
+        **memory_after_ready(),
     }
     result.update(
         generate_seeded_prompts(
@@ -68,6 +73,19 @@ def run(args: argparse.Namespace) -> dict:
         )
     )
     return result
+
+
+def memory_after_ready() -> dict:
+    """What the process holds on the GPU once the (in-process) engine is ready,
+    against the share of the card it was given."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "gpu_used_after_ready_gib": round((total - free) / (1 << 30), 3),
+        "gpu_total_gib": round(total / (1 << 30), 3),
+        "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
+    }
 
 
 def resolved_kv_cache_layout(llm: object) -> str | None:
@@ -85,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-dtype", choices=["fp8", "auto"], default="fp8")
     parser.add_argument("--eager", action="store_true")
     parser.add_argument("--mtp", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--jit-monitor-error", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
