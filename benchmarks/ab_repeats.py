@@ -2,7 +2,7 @@
 
     python -m benchmarks.ab_repeats DIR [DIR ...] --out OUT [--tensor-parallel-size 8]
 
-Each DIR holds one ``ab.json`` (``scripts/m3-rank-h200 ab REP ...`` writes one per call);
+Each DIR holds one ``ab.json`` (``scripts/gpu-rank-slice ab REP ...`` writes one per call);
 a DIR with sub-directories holding ``ab.json`` stands for all of them. A run may hold several
 rounds (``eval ab --repeat``); every measured level counts once. For every scenario and
 concurrency the table gives, per arm, the median over the measurements of output tok/s, of

@@ -3,7 +3,7 @@
     python -m benchmarks.ab_repeats DIR... --out OUT --targets fp8kv --gpu h100 \\
         --arms bf16 fp8-triton fp8-flashinfer stock
 
-The arms (scripts/m3-rank-h200's ``fp8kv_arm``): (a) ``bf16`` (bf16 KV cache, Triton sparse
+The arms (scripts/gpu-rank-slice's ``fp8kv_arm``): (a) ``bf16`` (bf16 KV cache, Triton sparse
 attention, FlashInfer indexer), (b) ``fp8-triton``, (c) ``fp8-flashinfer`` and (d)
 ``stock`` (vLLM 0.34.0 unpatched). Every ratio is of medians: the median of the
 numerator arm's levels at the point over the median of the denominator arm's, each over

@@ -19,7 +19,8 @@ enough to be scored in query chunks that cut requests (``_SCORE_CHUNK_ELEMENTS``
 lowered for it). Every tensor is its own cudaMalloc (``PYTORCH_NO_CUDA_MEMORY_CACHING``),
 so a read past one is an out-of-bounds access memcheck reports.
 
-On the light payload (``../shared/gpu/README.md``), after staging:
+On an SM90 GPU with torch, Triton and FlashInfer 0.7.4 (vLLM is not needed), from the
+project's root:
 
     python3 -m benchmarks.indexer_memcheck --out "$OUT/memcheck"
 

@@ -524,7 +524,7 @@ def engine_kwargs(
 
 def run_arm(args: argparse.Namespace, arm: str) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # Uniform random top-4 per token, as scripts/m3-rank-h200 serves it (unless set already).
+    # Uniform random top-4 per token, as scripts/gpu-rank-slice serves it (unless set already).
     os.environ.setdefault("VLLM_MOE_ROUTING_SIMULATION_STRATEGY", "uniform_random")
     import torch
     from vllm import LLM, SamplingParams

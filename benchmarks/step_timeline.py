@@ -3,7 +3,7 @@
     python -m benchmarks.step_timeline ROUNDS [ROUNDS ...] [--out FILE.md]
 
 ROUNDS is one ``eval ab`` output directory, or the ``rounds.tar.gz`` that
-``scripts/m3-rank-h200`` collects from one: it holds ``<arm>/round-<N>/bench/
+``scripts/gpu-rank-slice`` collects from one: it holds ``<arm>/round-<N>/bench/
 <scenario>-c<concurrency>-round<N>.json``, the client's per-request results (start time,
 TTFT and every inter-token gap).
 
@@ -17,7 +17,7 @@ the long steps' count, median, maximum and summed time, so that a TTFT or tok/s 
 can be told apart as decode, prefill-step or stall time. Steps before the first token of the
 scenario are not seen (the first requests' TTFT holds them).
 
-Where the source also holds ``telemetry.csv`` (``scripts/m3-rank-h200`` samples the GPU once a
+Where the source also holds ``telemetry.csv`` (``scripts/gpu-rank-slice`` samples the GPU once a
 second during a round), each level gets the GPU's state over its run: the median and lowest
 SM clock, the median and highest power draw, the median of nvidia-smi's ``utilization.gpu``
 (the share of each sample's period in which a kernel ran: below 100 the GPU waited on the

@@ -4,6 +4,7 @@ lacks either tree is refused and left as it was."""
 
 import os
 import subprocess
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -51,3 +52,32 @@ def test_a_site_without_tvm_ffi_is_refused_and_left_as_it_was(tmp_path):
     assert run.returncode == 2
     assert run.stderr.strip() == f"date-staged-sources: {tmp_path}/tvm_ffi is not a directory"
     assert {path: os.lstat(path).st_mtime for path in files} == before
+
+
+def _python3_without_site_packages(tmp_path: Path) -> str:
+    """A PATH whose python3 sees only PYTHONPATH (never this venv's own FlashInfer)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python3 = bin_dir / "python3"
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    python3.chmod(0o755)
+    return f"{bin_dir}:{os.environ['PATH']}"
+
+
+def test_without_a_site_it_dates_the_flashinfer_python3_imports(tmp_path):
+    site = tmp_path / "site"
+    files = _staged_site(site, ("flashinfer", "tvm_ffi"))
+    env = {**os.environ, "PATH": _python3_without_site_packages(tmp_path), "PYTHONPATH": str(site)}
+
+    subprocess.run([str(SCRIPT)], check=True, timeout=30, env=env)
+
+    assert all(os.lstat(path).st_mtime < CARRIED_BUILD for path in files)
+
+
+def test_without_a_site_or_a_flashinfer_it_says_so(tmp_path):
+    env = {**os.environ, "PATH": _python3_without_site_packages(tmp_path), "PYTHONPATH": ""}
+
+    run = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=30, env=env)
+
+    assert run.returncode == 2
+    assert run.stderr.strip() == "date-staged-sources: python3 imports no flashinfer: name the SITE"

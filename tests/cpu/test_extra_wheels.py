@@ -1,7 +1,8 @@
-"""The extra wheels the device's staged vLLM 0.34.0 site lacks (humming-kernels): pinned as vLLM
-pins them, downloaded by scripts/prepare-extra-wheels (the real wheel, from PyPI), installed by
-scripts/install-extra-wheels into a site, and checked by scripts/humming-ready, the guard
-scripts/m3-rank-h200 runs before an MXFP8 slice (exit 6 when humming is missing)."""
+"""The extra wheels a vLLM 0.34.0 installed without its dependencies lacks (humming-kernels):
+pinned as vLLM pins them, downloaded by scripts/prepare-extra-wheels (the real wheel, from
+PyPI), installed by scripts/install-extra-wheels into a site, and checked by
+scripts/humming-ready, the guard scripts/gpu-rank-slice runs before an MXFP8 slice (exit 6 when
+humming is missing)."""
 
 from __future__ import annotations
 
@@ -187,7 +188,7 @@ def humming_broken(tmp_path) -> dict[str, str]:
 
 
 def test_humming_ready_stops_an_mxfp8_slice_without_humming(tmp_path, humming_broken):
-    """No wheel staged and no humming: exit 6, as scripts/m3-rank-h200 exits for the slice."""
+    """No wheel staged and no humming: exit 6, as scripts/gpu-rank-slice exits for the slice."""
     run = _run(
         str(SCRIPTS / "humming-ready"), str(tmp_path / "none"), str(tmp_path), env=humming_broken
     )
@@ -204,9 +205,9 @@ def test_marlin_on_purpose_passes(tmp_path, humming_broken):
 
 
 def test_the_rank_script_runs_the_guard_for_an_mxfp8_slice_only():
-    script = (SCRIPTS / "m3-rank-h200").read_text()
+    script = (SCRIPTS / "gpu-rank-slice").read_text()
     guard = re.search(r'if \[ "\$weights" = mxfp8 \]; then\n(.*?)\nfi', script, re.S)
-    assert guard and guard[1].strip() == "scripts/humming-ready .gpu-extra /tmp/site || exit $?"
+    assert guard and guard[1].strip() == 'scripts/humming-ready .gpu-extra "$site" || exit $?'
     # Before the model is made or any server starts.
     assert (
         script.index(guard[0])

@@ -1,4 +1,4 @@
-"""Issue 41's A/B made ready without a GPU: scripts/m3-rank-h200's arms, groups and round
+"""Issue 41's A/B made ready without a GPU: scripts/gpu-rank-slice's arms, groups and round
 orders, the stock arm's config against stock vLLM 0.34.0's own fields and its unpatched
 copy, the H100 serve config, step_profile's arms and benchmarks.fp8kv_targets' table."""
 
@@ -19,7 +19,7 @@ from patchset_helpers import REPO_ROOT, installed_vllm_site, real_series_paths
 from benchmarks import ab_repeats, fp8kv_targets, step_profile
 from vllm_minimax.evals import ab, presets
 
-SCRIPT = REPO_ROOT / "scripts" / "m3-rank-h200"
+SCRIPT = REPO_ROOT / "scripts" / "gpu-rank-slice"
 SERVE_CONFIGS = {
     card: REPO_ROOT / "evals" / f"{card}-m3-tp8-rank-serve.yaml" for card in ("h100", "h200")
 }

@@ -328,10 +328,10 @@ def test_refuses_what_it_cannot_write(tmp_path, capsys):
 
 
 def test_the_device_scripts_sampler_runs(tmp_path):
-    """scripts/m3-rank-h200's sample_host, as a round starts it (from the repository root),
+    """scripts/gpu-rank-slice's sample_host, as a round starts it (from the repository root),
     writes host.csv until the stop file appears, and its message into host.err."""
     root = Path(__file__).resolve().parents[2]
-    script = root / "scripts" / "m3-rank-h200"
+    script = root / "scripts" / "gpu-rank-slice"
     out = tmp_path / "round"
     out.mkdir()
     runner = (

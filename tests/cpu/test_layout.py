@@ -43,3 +43,68 @@ def test_benchmarks_import_as_modules_from_the_repository_root() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+DOC_LINE_LIMIT = 300
+# One machine's staging and paths: its stash directories, the lab's shared folder, its staging
+# script (allowed only as the value of the hook variable that names it), its checkout and its
+# staged vLLM directory.
+MACHINE_TEXT = re.compile(
+    r"/root/stash|cachestash|\.\./shared|stage-e2e-on-device|/work/|/home/|/tmp/site\b|/opt/torch"
+)
+HOOK_VALUE = re.compile(r"VLLM_MINIMAX_GPU_ENV_HOOK=\S+")
+# Raw outputs under results/ (logs, JSON, traces) are kept as the run wrote them.
+RAW_RESULT = re.compile(r"^results/.*\.(log|txt|json|jsonl|csv|tsv|gz|png|yaml)$|/exit-status$")
+
+
+def tracked_files() -> list[str]:
+    return subprocess.run(
+        ["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+
+
+def test_no_doc_is_longer_than_the_limit() -> None:
+    lengths = {
+        name: len((REPO_ROOT / name).read_text().splitlines())
+        for name in tracked_files()
+        if name.startswith("docs/") and name.endswith(".md")
+    }
+    assert lengths and all(length <= DOC_LINE_LIMIT for length in lengths.values()), {
+        name: length for name, length in lengths.items() if length > DOC_LINE_LIMIT
+    }
+
+
+def test_no_doc_report_or_script_names_one_machines_staging_or_paths() -> None:
+    """Docs, reports, scripts and code say how to run things anywhere: no machine's stash
+    directories, shared folder, staging script (except as the hook variable's value), checkout
+    or staged vLLM directory. The tests are left out (they name these to look for them)."""
+    offenders = {}
+    for name in tracked_files():
+        if name.startswith("tests/") or RAW_RESULT.search(name):
+            continue
+        path = REPO_ROOT / name
+        if not path.is_file() or path.is_symlink():
+            continue
+        try:
+            text = HOOK_VALUE.sub("", path.read_text())
+        except UnicodeDecodeError:
+            continue
+        found = sorted(set(MACHINE_TEXT.findall(text)))
+        if found:
+            offenders[name] = found
+    assert offenders == {}
+
+
+def test_every_script_a_doc_names_exists() -> None:
+    """A renamed script leaves no command behind that names its old name."""
+    missing = {}
+    for name in tracked_files():
+        if not name.endswith(".md"):
+            continue
+        named = set(
+            re.findall(r"\bscripts/([A-Za-z0-9_.-]+[A-Za-z0-9_])", (REPO_ROOT / name).read_text())
+        )
+        gone = sorted(script for script in named if not (REPO_ROOT / "scripts" / script).exists())
+        if gone:
+            missing[name] = gone
+    assert missing == {}

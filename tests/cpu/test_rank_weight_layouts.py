@@ -23,7 +23,7 @@ SLICES = {
     "bf16-ep": ["--weights", "bf16", "--experts", "ep"],
     "today": [],
 }
-GPU_SCRIPT = REPO / "scripts" / "m3-rank-h200"
+GPU_SCRIPT = REPO / "scripts" / "gpu-rank-slice"
 SLICE_SERVE_CONFIG = REPO / "evals" / "m3-tp8-rank-checkpoint-serve.yaml"
 
 

@@ -1,4 +1,4 @@
-"""benchmarks.scenario_subset: the rounds of scripts/m3-rank-h200 and scripts/gpu-tp send
+"""benchmarks.scenario_subset: the rounds of scripts/gpu-rank-slice and scripts/gpu-tp send
 exactly the scenarios named, in the order named, and an unknown name stops the round."""
 
 from __future__ import annotations

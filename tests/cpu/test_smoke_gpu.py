@@ -100,6 +100,17 @@ def fake_env(tmp_path):
     }
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """One tiny model for the tests that pass TINY_MODEL (made in-process: quicker than the
+    script's own)."""
+    from vllm_minimax.tiny_model import make_tiny_model
+
+    model = tmp_path_factory.mktemp("smoke-model") / "model"
+    make_tiny_model(model)
+    return model
+
+
 def run_smoke(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(SMOKE)], env=env, capture_output=True, text=True, timeout=180, check=False
@@ -132,12 +143,50 @@ def test_smoke_gpu_reports_selection_and_answer(fake_env):
     assert not list(Path(fake_env["TMPDIR"]).glob("smoke-gpu.*")), "scratch directory left"
 
 
-def test_smoke_gpu_fails_when_triton_is_selected_on_sm90(fake_env, tmp_path):
-    from vllm_minimax.tiny_model import make_tiny_model
-
-    make_tiny_model(tmp_path / "model")  # in-process: quicker than the script's own
-    env = {**fake_env, "TINY_MODEL": str(tmp_path / "model")}
+def test_smoke_gpu_fails_when_triton_is_selected_on_sm90(fake_env, tiny_model):
+    env = {**fake_env, "TINY_MODEL": str(tiny_model)}
     result = run_smoke({**env, "FAKE_IMPL": "Triton (FlashInfer not used: test)"})
     assert result.returncode == 1
     assert "expected the FlashInfer indexer on compute capability 9.0" in result.stderr
+    assert_server_stopped(fake_env)
+
+
+def test_smoke_gpu_sources_the_environment_hook(fake_env, tiny_model, tmp_path):
+    """The hook is sourced first: here it is what puts the patched vLLM on PYTHONPATH."""
+    hook = tmp_path / "hook.sh"
+    hook.write_text(f'export PYTHONPATH="{fake_env["PYTHONPATH"]}"\n')
+    env = {**fake_env, "TINY_MODEL": str(tiny_model), "PYTHONPATH": ""}
+    without = run_smoke(env)
+    assert without.returncode == 1
+    assert "the series is not applied to this vLLM" in without.stderr
+    result = run_smoke({**env, "VLLM_MINIMAX_GPU_ENV_HOOK": str(hook)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "smoke-gpu: ok" in result.stdout.splitlines()
+    assert_server_stopped(fake_env)
+
+
+def test_smoke_gpu_without_a_vllm_command_runs_the_cli_module(fake_env, tiny_model, tmp_path):
+    """Where no `vllm` command is on PATH (vLLM installed without console scripts), the
+    script runs `$PYTHON -m vllm.entrypoints.cli.main`."""
+    fake_vllm = Path(fake_env["PATH"].split(":")[0]) / "vllm"
+    moved = tmp_path / "fake-vllm-cli"
+    fake_vllm.rename(moved)
+    python = tmp_path / "python"
+    python.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1 $2" = "-m vllm.entrypoints.cli.main" ]; then\n'
+        f'    shift 2; exec "{moved}" "$@"\n'
+        "fi\n"
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    python.chmod(0o755)
+    path = ":".join(
+        directory
+        for directory in fake_env["PATH"].split(":")
+        if not (Path(directory) / "vllm").exists()
+    )
+    env = {**fake_env, "TINY_MODEL": str(tiny_model), "PATH": path, "PYTHON": str(python)}
+    result = run_smoke(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "smoke-gpu: ok" in result.stdout.splitlines()
     assert_server_stopped(fake_env)

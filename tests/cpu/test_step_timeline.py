@@ -186,9 +186,9 @@ def test_unreadable_telemetry_values_are_left_out():
 
 @pytest.mark.parametrize("reasons_field", ["clocks_event_reasons", "clocks_throttle_reasons"])
 def test_the_device_scripts_telemetry_parses(tmp_path, reasons_field):
-    """scripts/m3-rank-h200's sampler, run with a stand-in nvidia-smi that knows only one
+    """scripts/gpu-rank-slice's sampler, run with a stand-in nvidia-smi that knows only one
     name of the clock-event field, writes what parse_telemetry reads."""
-    script = Path(__file__).resolve().parents[2] / "scripts" / "m3-rank-h200"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu-rank-slice"
     stub = tmp_path / "bin" / "nvidia-smi"
     stub.parent.mkdir()
     stub.write_text(

@@ -17,7 +17,7 @@ make-tiny-model --initializer-range 0.1 --mtp-modules 1` (without its `mtp/`
 draft the `mtp-*` runs record an error and test_mtp.py fails).
 
 Set `VLLM_MINIMAX_E2E_RUNS=a,b` to start only the engine runs named (each other run records an
-error, so only the tests that need just those can pass; `scripts/gpu-e2e-h200 engine-min`).
+error, so only the tests that need just those can pass; `scripts/gpu-e2e engine-min`).
 
 Set `VLLM_MINIMAX_E2E_SAVED=DIR` to re-check saved runs on any machine, GPU or
 not: the tests read `DIR/<run>.json` and `.log` and start no engine; a run not
