@@ -456,6 +456,8 @@ def test_auto_on_pages_it_cannot_read_attends_with_triton_and_says_why(
 
     from vllm.config import set_current_vllm_config
 
+    from vllm_minimax.testing.engine_runs import attend_of
+
     module = importlib.import_module(FA_MODULE)
     with set_current_vllm_config(_engine_config("auto", name)):
         impl = _impl(32, 2)
@@ -464,6 +466,9 @@ def test_auto_on_pages_it_cannot_read_attends_with_triton_and_says_why(
         _bound_layer(impl, _cache(7, 2, layout))  # a shape of its own: one warning per reason
         _bound_layer(impl, _cache(7, 2, layout).clone())  # another layer, same reason
     assert impl.attend == attend
+    # What an engine run records for the layer (sparse_attention_engine.py).
+    assert attend_of(impl) == attend
+    assert attend_of(impl._triton) == "triton"
     warned = [r.getMessage() for r in caplog.records if r.name == module.logger.name]
     if attend == "flashinfer":
         assert warned == []
