@@ -134,8 +134,8 @@ def engine_indexer_flashinfer_geometry(
     programs of every rank of a larger engine (the ranks share one geometry)."""
     from vllm.models.minimax_m3.nvidia import indexer_flashinfer_warmup as warmup
     from vllm.models.minimax_m3.nvidia.indexer_flashinfer_gate import (
-        flashinfer_indexer_unavailable,
         index_cache_is_fp8,
+        minimax_m3_use_flashinfer_msa,
     )
 
     fields = indexer_geometry_fields(vllm_config.model_config.hf_config)
@@ -144,7 +144,7 @@ def engine_indexer_flashinfer_geometry(
     num_index_heads = max(1, fields["index_heads"] // tp_size)
     attention_config = vllm_config.attention_config
     indexer_kv_dtype = attention_config.resolve_indexer_kv_dtype("bf16")
-    reason = flashinfer_indexer_unavailable(
+    use_flashinfer, reason = minimax_m3_use_flashinfer_msa(
         backend=attention_config.minimax_m3_indexer_backend,
         topk_blocks=fields["topk_blocks"],
         index_head_dim=fields["index_head_dim"],
@@ -152,7 +152,7 @@ def engine_indexer_flashinfer_geometry(
         num_index_heads=num_index_heads,
         indexer_kv_dtype=indexer_kv_dtype,
     )
-    if reason is not None:
+    if not use_flashinfer:
         return None, reason
     arch, num_sms = warmup.current_device_facts()
     geometry = warmup.geometry_from_config(

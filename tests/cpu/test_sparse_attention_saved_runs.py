@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 from vllm_minimax.testing.engine_runs import (
@@ -16,6 +17,7 @@ from vllm_minimax.testing.engine_runs import (
     load_run,
     mean_abs_diff,
     record_run,
+    sparse_layer_attends,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,20 +63,43 @@ def test_the_bound_separates_the_measured_pair_from_the_control():
 
 
 LAYOUT_TEST = ROOT / "tests" / "gpu_e2e" / "test_sparse_attention_layout.py"
+# The sparse attention layers of the layout phase's tiny model (its layers 1 and 3).
+SPARSE_LAYERS = ("model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn")
+# What the patched impl raises there (its text is checked against the fragments in
+# tests/cpu/patched_vllm/test_sparse_attention_selection.py).
+FORCED_NHD_ERROR = (
+    "ValueError: minimax_m3_sparse_attention_backend='flashinfer' cannot run "
+    "model.layers.1.self_attn.attn: the LBNHC KV-cache layout does not store the pages as the "
+    "dense [pages, kv_heads, 128, 256] rows FlashInfer's SM90 prefill reads (shape (96, 2, 128, "
+    "256), strides (65536, 256, 512, 1)). Use the LBHNC layout (leave VLLM_KV_CACHE_LAYOUT "
+    "unset, which lets this backend ask for it, or set VLLM_KV_CACHE_LAYOUT=LBHNC), or set "
+    "minimax_m3_sparse_attention_backend to 'auto' or 'triton'"
+)
 
 
 def _layout_runs(
-    directory: Path, flashinfer_layout: str = "LBHNC", flashinfer: str = "flashinfer-graphs"
+    directory: Path,
+    flashinfer_layout: str = "LBHNC",
+    flashinfer: str = "flashinfer-graphs",
+    flashinfer_attends: tuple[str, ...] = ("flashinfer", "flashinfer"),
+    forced_nhd: dict | None = None,
 ) -> Path:
-    """The layout phase's three runs, stood in for by the committed H100 runs of the same kind
-    (FlashInfer, Triton on fp8, Triton on bf16), each with the layout the phase would record."""
-    for name, saved, layout in (
-        ("gqa2-flashinfer-graphs", flashinfer, flashinfer_layout),
-        ("gqa2-nhd-flashinfer-graphs", "triton-graphs", "LBNHC"),
-        ("gqa2-triton-bf16-graphs", "triton-bf16-graphs", "LBHNC"),
+    """The layout phase's four runs, stood in for by the committed H100 runs of the same kind
+    (FlashInfer, Triton on fp8, Triton on bf16), each with the layout and the per-layer attends
+    the phase would record, and the forced-NHD run's start-up error."""
+    for name, saved, layout, attends in (
+        ("gqa2-flashinfer-graphs", flashinfer, flashinfer_layout, flashinfer_attends),
+        ("gqa2-nhd-auto-graphs", "triton-graphs", "LBNHC", ("triton", "triton")),
+        ("gqa2-triton-bf16-graphs", "triton-bf16-graphs", "LBHNC", ("triton", "triton")),
     ):
-        run = {**load_run(SAVED, saved), "kv_cache_layout": layout}
+        run = {
+            **load_run(SAVED, saved),
+            "kv_cache_layout": layout,
+            "sparse_attends": dict(zip(SPARSE_LAYERS, attends, strict=True)),
+        }
         (directory / f"{name}.json").write_text(json.dumps(run))
+    forced = {"error": FORCED_NHD_ERROR} if forced_nhd is None else forced_nhd
+    (directory / "gqa2-nhd-flashinfer-graphs.json").write_text(json.dumps(forced))
     return directory
 
 
@@ -85,13 +110,36 @@ def _pytest_layout(runs: Path) -> subprocess.CompletedProcess[str]:
 def test_the_layout_checks_pass_runs_of_the_expected_kind(tmp_path):
     result = _pytest_layout(_layout_runs(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:]
-    assert "6 passed" in result.stdout
+    assert "7 passed" in result.stdout
 
 
 def test_the_layout_checks_fail_a_flashinfer_run_on_interleaved_pages(tmp_path):
     result = _pytest_layout(_layout_runs(tmp_path, flashinfer_layout="LBNHC"))
     assert result.returncode != 0
     assert "1 failed" in result.stdout and "dense_pages" in result.stdout
+
+
+def test_the_layout_checks_fail_a_flashinfer_run_whose_layer_fell_back_to_triton(tmp_path):
+    result = _pytest_layout(_layout_runs(tmp_path, flashinfer_attends=("flashinfer", "triton")))
+    assert result.returncode != 0
+    assert "1 failed" in result.stdout and "dense_pages_in_every_layer" in result.stdout
+
+
+def test_the_layout_checks_fail_a_forced_nhd_run_that_started(tmp_path):
+    """What the series did before: a forced FlashInfer on NHD pages warned once and attended
+    with Triton."""
+    started = {**load_run(SAVED, "triton-graphs"), "kv_cache_layout": "LBNHC"}
+    started["sparse_attends"] = dict.fromkeys(SPARSE_LAYERS, "triton")
+    result = _pytest_layout(_layout_runs(tmp_path, forced_nhd=started))
+    assert result.returncode != 0
+    assert "1 failed" in result.stdout and "stops_at_start" in result.stdout
+
+
+def test_the_layout_checks_fail_a_forced_nhd_error_without_the_fix(tmp_path):
+    vague = {"error": "ValueError: the KV cache pages are not dense"}
+    result = _pytest_layout(_layout_runs(tmp_path, forced_nhd=vague))
+    assert result.returncode != 0
+    assert "1 failed" in result.stdout and "stops_at_start" in result.stdout
 
 
 def test_the_layout_checks_fail_a_flashinfer_run_replaced_by_the_control(tmp_path):
@@ -112,3 +160,38 @@ def test_a_run_script_records_its_result_or_its_error(tmp_path):
 
     assert record_run(engine_fails, out) == 1
     assert json.loads(out.read_text()) == {"error": "RuntimeError: no KV cache fits"}
+
+
+def test_a_run_records_the_attend_each_sparse_layer_resolved():
+    """sparse_layer_attends, which sparse_attention_engine.py runs in the worker: the FlashInfer
+    impl's resolved attend, a fixed impl's attend by class, and an impl with no cache bound
+    yet as unresolved (a FlashInfer run recording it fails the layout check)."""
+
+    class MiniMaxM3SparseFlashInferImpl:
+        def __init__(self, attend):
+            self.attend = attend
+
+    class MiniMaxM3SparseTritonImpl:
+        pass
+
+    def layer(impl):
+        return types.SimpleNamespace(impl=impl, indexer=object())
+
+    context = {
+        "model.layers.3.self_attn.attn": layer(MiniMaxM3SparseFlashInferImpl("triton")),
+        "model.layers.1.self_attn.attn": layer(MiniMaxM3SparseFlashInferImpl("flashinfer")),
+        "model.layers.5.self_attn.attn": layer(MiniMaxM3SparseTritonImpl()),
+        "model.layers.7.self_attn.attn": layer(MiniMaxM3SparseFlashInferImpl(None)),
+        "model.layers.0.self_attn.attn": types.SimpleNamespace(impl=object()),  # dense layer
+    }
+    worker = types.SimpleNamespace(
+        vllm_config=types.SimpleNamespace(
+            compilation_config=types.SimpleNamespace(static_forward_context=context)
+        )
+    )
+    assert sparse_layer_attends(worker) == {
+        "model.layers.1.self_attn.attn": "flashinfer",
+        "model.layers.3.self_attn.attn": "triton",
+        "model.layers.5.self_attn.attn": "triton",
+        "model.layers.7.self_attn.attn": "unresolved (MiniMaxM3SparseFlashInferImpl)",
+    }

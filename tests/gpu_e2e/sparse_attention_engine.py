@@ -12,10 +12,12 @@ so the second hits the prefix cache) are scored with prompt logprobs and decode
 32 greedy tokens. The FlashInfer JIT cache is listed before the first request
 and after the last: files that appear are programs built after the engine was
 ready. The run records the KV-cache layout the engine resolved (``kv_cache_layout``;
-``VLLM_KV_CACHE_LAYOUT`` forces one); ``--jit-monitor-error`` makes any kernel compiled
-after the engine was ready an error of the run (vLLM's JIT monitor, Triton included). It
-records what the process holds on the GPU once the engine is ready (``gpu_used_after_ready_gib``),
-beside the share of the card it was given.
+``VLLM_KV_CACHE_LAYOUT`` forces one) and, per sparse attention layer, the attend its impl
+resolved for the bound cache (``sparse_attends``: flashinfer, triton or msa);
+``--jit-monitor-error`` makes any kernel compiled after the engine was ready an error of the
+run (vLLM's JIT monitor, Triton included). It records what the process holds on the GPU once
+the engine is ready (``gpu_used_after_ready_gib``), beside the share of the card it was given.
+An engine that does not start records its error.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_minimax.testing.engine_runs import generate_seeded_prompts, record_run
+from vllm_minimax.testing.engine_runs import (
+    generate_seeded_prompts,
+    record_run,
+    sparse_layer_attends,
+)
 
 PROMPT_LENS = (8192, 16384, 24576, 16384)
 GPU_MEMORY_UTILIZATION = 0.3
@@ -65,6 +71,10 @@ def run(args: argparse.Namespace) -> dict:
         "kv_cache_layout": resolved_kv_cache_layout(llm),
         **memory_after_ready(),
     }
+    try:
+        result["sparse_attends"] = llm.collective_rpc(sparse_layer_attends)[0]
+    except Exception as exc:  # the prompts still run; the checks report it
+        result["sparse_attends_error"] = f"{type(exc).__name__}: {exc}"
     result.update(
         generate_seeded_prompts(
             llm,

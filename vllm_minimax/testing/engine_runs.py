@@ -29,6 +29,43 @@ SPARSE_ATTEND_RATIO_BOUND = 4 * 2.3e-3 / 3.6e-2
 SPARSE_ATTEND_MIN_CONTROL = 1e-3
 
 
+# What the start-up failure of an attend forced to FlashInfer on pages it cannot read names: the
+# option, the layout the engine resolved (LBNHC under VLLM_KV_CACHE_LAYOUT=NHD) and the fix.
+FORCED_FLASHINFER_NOT_DENSE = (
+    "minimax_m3_sparse_attention_backend='flashinfer'",
+    "LBNHC",
+    "VLLM_KV_CACHE_LAYOUT=LBHNC",
+)
+# The attend of each sparse impl class whose attend does not depend on the bound cache.
+_FIXED_ATTENDS = {
+    "MiniMaxM3SparseTritonImpl": "triton",
+    "MiniMaxM3SparseMSAImpl": "msa",
+    "MiniMaxM3SparseMSANvfp4Impl": "msa",
+}
+
+
+def attend_of(impl: Any) -> str:
+    """The attend a sparse attention impl runs: what it resolved for its bound cache
+    (``attend``, the FlashInfer impl), else what its class always runs; ``unresolved (...)``
+    for an impl that resolves per cache and has none bound."""
+    attend = getattr(impl, "attend", None)
+    if isinstance(attend, str):
+        return attend
+    name = type(impl).__name__
+    return _FIXED_ATTENDS.get(name, f"unresolved ({name})")
+
+
+def sparse_layer_attends(worker: Any) -> dict[str, str]:
+    """Per MiniMax M3 sparse attention layer of the engine (target and draft): the attend its
+    impl runs (`attend_of`). Runs inside the worker (`LLM.collective_rpc`)."""
+    context = worker.vllm_config.compilation_config.static_forward_context
+    return {
+        name: attend_of(layer.impl)
+        for name, layer in sorted(context.items())
+        if hasattr(layer, "indexer") and hasattr(layer, "impl")
+    }
+
+
 def record_run(run: Callable[[], dict[str, Any]], out: Path) -> int:
     """Write what `run` returns to `out` as JSON, or ``{"error": ...}`` when it raises (the
     checks then report the run's failure); the exit status says which."""

@@ -120,7 +120,7 @@ def _gate(**overrides):
         indexer_kv_dtype="fp8",
     )
     kwargs.update(overrides)
-    return gate.flashinfer_indexer_unavailable(**kwargs)
+    return gate.minimax_m3_use_flashinfer_msa(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -145,11 +145,11 @@ def _gate(**overrides):
 def test_gate_conditions(monkeypatch, cap, overrides, fragment):
     monkeypatch.setattr(gate, "flashinfer_msa_indexer_unavailable", lambda: None)
     with platform_override(simulated_cuda_platform(cap)):
-        reason = _gate(**overrides)
+        use, reason = _gate(**overrides)
     if fragment is None:
-        assert reason is None
+        assert use and reason is None
     else:
-        assert reason is not None and fragment in reason, reason
+        assert not use and reason is not None and fragment in reason, reason
 
 
 def test_gate_refuses_rocm(monkeypatch):
@@ -159,7 +159,7 @@ def test_gate_refuses_rocm(monkeypatch):
     platform = simulated_cuda_platform((9, 0))
     platform._enum = PlatformEnum.ROCM
     with platform_override(platform):
-        assert _gate() == "not a CUDA platform"
+        assert _gate() == (False, "not a CUDA platform")
 
 
 def _fake_msa_ops(**functions):

@@ -132,7 +132,9 @@ def gate_reason(monkeypatch, failing: dict) -> str | None:
     cap, probe_says = arguments.pop("cap"), arguments.pop("probe_says")
     monkeypatch.setattr(gate, "flashinfer_msa_indexer_unavailable", lambda: probe_says)
     with platform_override(simulated_cuda_platform(cap)):
-        return gate.flashinfer_indexer_unavailable(backend="auto", **arguments)
+        use, reason = gate.minimax_m3_use_flashinfer_msa(backend="auto", **arguments)
+    assert use == (reason is None)
+    return reason
 
 
 @pytest.mark.parametrize("condition", GATE_ORDER, ids=lambda c: c[0])

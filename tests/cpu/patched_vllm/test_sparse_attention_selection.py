@@ -395,3 +395,152 @@ def test_the_warmup_builds_the_triton_decode_of_layers_flashinfer_cannot_read(
         "vllm.models.minimax_m3.common.sparse_attn_decode_warmup"
     ).decode_warmup_launches(module.sparse_decode_geometry(impl._triton, config))
     assert [launch for _, launch, _ in triton_launches] == (expected if triton else [])
+
+
+# --- the attend follows the bound cache ---------------------------------------------------
+
+
+def _engine_config(backend: str, layout: str):
+    """A CPU VllmConfig whose sparse attend is `backend` and whose resolved KV-cache layout
+    (what the engine core records on the cache config before the caches bind) is `layout`."""
+    from vllm.config import AttentionConfig, DeviceConfig, VllmConfig
+
+    config = VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        attention_config=AttentionConfig(minimax_m3_sparse_attention_backend=backend),
+    )
+    config.cache_config.kv_cache_layout = layout
+    return config
+
+
+def _bound_layer(impl, kv_cache: torch.Tensor):
+    """The patched MiniMax M3 sparse attention layer, holding only `impl`, bound to `kv_cache`
+    as vLLM's worker binds every layer (`bind_kv_cache`)."""
+    from vllm.models.minimax_m3.nvidia import model as m3_model
+
+    layer = m3_model.MiniMaxM3SparseAttention.__new__(m3_model.MiniMaxM3SparseAttention)
+    torch.nn.Module.__init__(layer)
+    layer.impl = impl
+    layer.layer_name = "model.layers.1.self_attn.attn"
+    layer.bind_kv_cache(kv_cache)
+    return layer
+
+
+def test_a_forced_flashinfer_attend_on_pages_it_cannot_read_stops_at_binding():
+    """Two KV heads under LBNHC (VLLM_KV_CACHE_LAYOUT=NHD): the engine must not start, and
+    the error names the option, the layer, the layout and the fix."""
+    from vllm.config import set_current_vllm_config
+
+    from vllm_minimax.testing.engine_runs import FORCED_FLASHINFER_NOT_DENSE
+
+    with set_current_vllm_config(_engine_config("flashinfer", "LBNHC")):
+        impl = _impl(16, 2)
+    with pytest.raises(ValueError) as error:
+        _bound_layer(impl, _cache(5, 2, "NHD"))
+    message = str(error.value)
+    for fragment in (*FORCED_FLASHINFER_NOT_DENSE, "model.layers.1.self_attn.attn"):
+        assert fragment in message, message
+    assert impl.attend is None
+    # Dense pages bind, and the layer attends with FlashInfer.
+    layer = _bound_layer(impl, _cache(5, 2, "HND"))
+    assert impl.attend == "flashinfer" and layer.kv_cache.shape == (5, 2, 128, 256)
+
+
+@pytest.mark.parametrize(
+    ("layout", "name", "attend"), [("HND", "LBHNC", "flashinfer"), ("NHD", "LBNHC", "triton")]
+)
+def test_auto_on_pages_it_cannot_read_attends_with_triton_and_says_why(
+    caplog, layout, name, attend
+):
+    import importlib
+
+    from vllm.config import set_current_vllm_config
+
+    from vllm_minimax.testing.engine_runs import attend_of
+
+    module = importlib.import_module(FA_MODULE)
+    with set_current_vllm_config(_engine_config("auto", name)):
+        impl = _impl(32, 2)
+    module.logger.propagate = True
+    with caplog.at_level(logging.WARNING):
+        _bound_layer(impl, _cache(7, 2, layout))  # a shape of its own: one warning per reason
+        _bound_layer(impl, _cache(7, 2, layout).clone())  # another layer, same reason
+    assert impl.attend == attend
+    # What an engine run records for the layer (sparse_attention_engine.py).
+    assert attend_of(impl) == attend
+    assert attend_of(impl._triton) == "triton"
+    warned = [r.getMessage() for r in caplog.records if r.name == module.logger.name]
+    if attend == "flashinfer":
+        assert warned == []
+    else:
+        (line,) = warned
+        assert "Triton kernels attend" in line and "the LBNHC KV-cache layout" in line, line
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        (None, "_MPG_UNION_MAX is missing, not an int"),
+        ("800", "_MPG_UNION_MAX is a str, not an int"),
+        (True, "_MPG_UNION_MAX is a bool, not an int"),
+        (1000, "_MPG_UNION_MAX is 1000, not 800 as in flashinfer-python 0.7.4"),
+    ],
+)
+def test_a_flashinfer_whose_page_bounds_moved_is_refused_with_the_reason(
+    monkeypatch, value, fragment
+):
+    """FlashInfer's private page-table bounds (here `_sm90_dispatch._MPG_UNION_MAX`) moved,
+    removed or changed: auto keeps Triton and logs why, a forced FlashInfer raises it."""
+    import importlib
+
+    from flashinfer.msa_ops import _sm90_dispatch
+
+    module = importlib.import_module(FA_MODULE)
+    if value is None:
+        monkeypatch.delattr(_sm90_dispatch, "_MPG_UNION_MAX")
+    else:
+        monkeypatch.setattr(_sm90_dispatch, "_MPG_UNION_MAX", value)
+    module.flashinfer_sparse_attention_unavailable.cache_clear()
+    try:
+        reason = module.flashinfer_sparse_attention_unavailable()
+        auto, forced = (
+            select_sparse_attention(
+                kv_cache_dtype="fp8",
+                num_heads=8,
+                num_kv_heads=1,
+                sparse_attention_backend=backend,
+                capability=(9, 0),
+            )
+            for backend in ("auto", "flashinfer")
+        )
+    finally:
+        monkeypatch.undo()
+        module.flashinfer_sparse_attention_unavailable.cache_clear()
+    assert reason is not None and fragment in reason, reason
+    assert auto.impl == "MiniMaxM3SparseTritonImpl", auto
+    assert auto.log is not None and fragment in auto.log, auto.log
+    assert forced.error is not None and forced.error.startswith("ValueError"), forced
+    assert fragment in forced.error, forced.error
+
+
+def test_the_page_bounds_read_from_flashinfer_are_the_builders():
+    """The installed FlashInfer (0.7.4, the dev lock) holds the bounds the builder follows,
+    and the prefill-program bound is checked as well as the union one."""
+    import importlib
+
+    import flashinfer.msa_ops.cake_hopper_sm90 as cake
+    from flashinfer.msa_ops import _sm90_dispatch
+
+    module = importlib.import_module(FA_MODULE)
+    assert module.flashinfer_page_bounds_mismatch() is None
+    assert (_sm90_dispatch._MPG_UNION_MAX, cake._PF_MAX_BLOCKS) == (
+        module.UNION_SCHEDULE_MAX_PAGES,
+        module.PREFILL_PROGRAM_MAX_PAGES,
+    )
+    saved = cake._PF_MAX_BLOCKS
+    cake._PF_MAX_BLOCKS = 8192
+    try:
+        reason = module.flashinfer_page_bounds_mismatch()
+    finally:
+        cake._PF_MAX_BLOCKS = saved
+    assert reason is not None and "_PF_MAX_BLOCKS is 8192, not 4096" in reason, reason
