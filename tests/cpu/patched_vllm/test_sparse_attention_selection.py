@@ -367,14 +367,7 @@ def test_the_warmup_builds_the_triton_decode_of_layers_flashinfer_cannot_read(
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 
     module = importlib.import_module(FA_MODULE)
-    # What the registration reads of an engine's config (a CPU VllmConfig has no model).
-    config = SimpleNamespace(
-        kernel_config=SimpleNamespace(enable_jit_warmup=True),
-        speculative_config=SimpleNamespace(num_speculative_tokens=1),
-        model_config=SimpleNamespace(dtype=torch.bfloat16, max_model_len=40000),
-        scheduler_config=SimpleNamespace(max_num_seqs=48, max_num_batched_tokens=6144),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
-    )
+    config = _registration_config()
     flashinfer_launches, triton_launches = [], []
     monkeypatch.setattr(module, "run_warmup_launch", lambda *a: flashinfer_launches.append(a))
     monkeypatch.setattr(module, "run_decode_launch", lambda *a: triton_launches.append(a))
@@ -544,3 +537,73 @@ def test_the_page_bounds_read_from_flashinfer_are_the_builders():
     finally:
         cake._PF_MAX_BLOCKS = saved
     assert reason is not None and "_PF_MAX_BLOCKS is 8192, not 4096" in reason, reason
+
+
+def _registration_config(max_num_seqs: int = 48, num_speculative_tokens: int = 1):
+    """What the registration reads of an engine's config (a CPU VllmConfig has no model)."""
+    return SimpleNamespace(
+        kernel_config=SimpleNamespace(enable_jit_warmup=True),
+        speculative_config=SimpleNamespace(num_speculative_tokens=num_speculative_tokens),
+        model_config=SimpleNamespace(dtype=torch.bfloat16, max_model_len=40000),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=6144),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+    )
+
+
+def test_the_decode_scratch_exists_before_the_kv_cache_is_sized(monkeypatch):
+    """FlashInfer keeps a decode scratch per launch geometry: the registration, at model
+    construction (before vLLM's memory profiling), launches every warm-up launch once, so
+    the profiler counts the scratch; the JIT warm-up after the KV cache is sized launches
+    none again."""
+    import importlib
+
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    module = importlib.import_module(FA_MODULE)
+    config = _registration_config()
+    launches = []
+    monkeypatch.setattr(module, "run_warmup_launch", lambda *a: launches.append(a[1:4]))
+    monkeypatch.setattr(module, "run_decode_launch", lambda *a: None)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: None)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        impl = _impl(16, 2)
+        jit = module._SparseAttentionJit()
+        monkeypatch.setattr(module, "_JIT", jit)
+        module.register_sparse_attention_warmup(_Layer(impl, _cache(3, 2, "HND")), config)
+        (geometry,) = jit._layers
+        expected = module.warmup_launches(geometry)
+        assert launches == expected
+        # Every batch of up to 48 sequences at both query lengths (1 + 1 MTP token).
+        assert {(b, n) for kind, b, n in launches if kind == "decode"} == {
+            (b, n) for n in (1, 2) for b in range(1, 49)
+        }
+        module.register_sparse_attention_warmup(_Layer(impl, _cache(3, 2, "HND")), config)
+        jit.compile(geometry)
+    assert launches == expected
+
+
+def test_out_of_memory_in_the_warmup_stops_the_engine_naming_the_settings(monkeypatch):
+    import importlib
+
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    module = importlib.import_module(FA_MODULE)
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(module, "run_warmup_launch", out_of_memory)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        jit = module._SparseAttentionJit()
+        monkeypatch.setattr(module, "_JIT", jit)
+        with pytest.raises(RuntimeError) as raised:
+            module.register_sparse_attention_warmup(
+                _Layer(_impl(16, 2), _cache(3, 2, "HND")),
+                _registration_config(max_num_seqs=1024, num_speculative_tokens=3),
+            )
+    message = str(raised.value)
+    assert "--max-num-seqs" in message and "num_speculative_tokens" in message
+    assert "1024 sequences" in message and "4 query tokens" in message
+    assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
