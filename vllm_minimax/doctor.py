@@ -20,7 +20,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-from vllm_minimax import patchset
+from vllm_minimax import cuda_bindings, patchset
 from vllm_minimax.serve_config import (
     ServeConfig,
     ServeConfigError,
@@ -112,6 +112,17 @@ def flashinfer_line() -> str:
     return f"{version}; flashinfer.msa_ops has {' and '.join(present)}"
 
 
+def cuda_bindings_lines() -> list[str]:
+    """What is wrong with the CUDA bindings FlashInfer's msa_ops imports, and the command
+    that repairs it; nothing when they are whole or FlashInfer is not installed."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return []
+    problem = cuda_bindings.pair_problem()
+    if problem is None:
+        return []
+    return [f"  CUDA bindings: {problem}", f"  repair: {cuda_bindings.repair_command()}"]
+
+
 def serve_config_from(args: argparse.Namespace) -> ServeConfig:
     """The config file (or the shipped configs' defaults) with doctor's overriding flags on
     top, as flags after `--config` override the file for `vllm serve`."""
@@ -175,7 +186,7 @@ def report(
     logs.append(captured.text)
     print(f"GPU:          {gpu}")
     print(f"FlashInfer:   {flashinfer}")
-    print("\n".join(describe_config(config)))
+    print("\n".join([*cuda_bindings_lines(), *describe_config(config)]))
 
     if not state.clean:
         print("selection:    not checked: the series is not cleanly applied to this vLLM")

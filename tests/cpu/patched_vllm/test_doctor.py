@@ -12,7 +12,7 @@ import vllm.models.minimax_m3.nvidia.indexer_flashinfer_gate as gate
 from test_serve_configs import minimax_m3_text_config, parse_serve_args
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_minimax import cli, doctor, probe, selection, serve_config
+from vllm_minimax import cli, cuda_bindings, doctor, probe, selection, serve_config
 
 REPO = Path(__file__).resolve().parents[3]
 SERVE_CONFIGS = sorted((REPO / "configs" / "serve").glob("*.yaml"))
@@ -154,6 +154,20 @@ def test_msa_ops_that_do_not_import_fall_back_with_the_install_hint(doctor_run, 
     indexer = rows(out)["indexer"]
     assert "cudaLibrary_t" in indexer
     assert indexer.endswith(f"change: {selection.INSTALL_HINT}")
+
+
+@pytest.mark.usefixtures("flashinfer_can_jit")
+def test_broken_cuda_bindings_get_the_repair_not_the_recipe(doctor_run, monkeypatch):
+    """Issue 57: after pip's removal of cuda-python 12 deleted cuda-bindings' files, the
+    recipe the hint named was 'already satisfied', and doctor kept advising it."""
+    broken = functools.cache(lambda: BROKEN_MSA_OPS)
+    monkeypatch.setattr(gate, "flashinfer_msa_indexer_unavailable", broken)
+    monkeypatch.setattr(cuda_bindings, "pair_problem", lambda path=None: "2 files gone")
+    code, out = doctor_run("--config", "h200-8x", "--capability", "9.0")
+    assert code == doctor.EXIT_FALLBACK, out
+    repair = cuda_bindings.repair_command()
+    assert rows(out)["indexer"].endswith(f"change: repair the CUDA bindings: {repair}")
+    assert f"  CUDA bindings: 2 files gone\n  repair: {repair}\n" in out
 
 
 @pytest.mark.usefixtures("flashinfer_can_jit")
