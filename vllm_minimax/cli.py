@@ -156,7 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_parser.add_argument(
         "--verbose",
         action="store_true",
-        help="also print each touched file's state and what torch, FlashInfer and vLLM logged",
+        help="also print each touched file's state and what torch, FlashInfer and vLLM logged"
+        " (asks vLLM and FlashInfer again, as --no-cache does)",
+    )
+    doctor_parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="ask vLLM and FlashInfer again even when this environment's answers are stored"
+        " (doctor stores them, keyed on the installed packages, the series state, the"
+        " environment variables and the GPU, to answer the next call without importing vLLM)",
     )
     doctor_parser.set_defaults(handler=run_doctor)
 

@@ -103,10 +103,12 @@ def pair_problem(path: list[str] | None = None) -> str | None:
     if bindings is None:
         return "cuda-bindings is not installed (flashinfer.msa_ops imports cuda.bindings)"
     version = bindings.version
+    # The `cuda` namespace's distributions: reading every record (torch's is large) would
+    # cost doctor more than half a second.
     others = [
         f"{dist.metadata['Name']} {dist.version}"
         for name, dist in sorted(dists.items())
-        if name != "cuda-bindings" and writes_bindings(dist)
+        if name.startswith("cuda") and name != "cuda-bindings" and writes_bindings(dist)
     ]
     if others:
         return (

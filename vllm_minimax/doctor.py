@@ -19,14 +19,18 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from vllm_minimax import cuda_bindings, patchset
+from vllm_minimax import cuda_bindings, doctor_cache, patchset
 from vllm_minimax.serve_config import (
     ServeConfig,
     ServeConfigError,
     default_serve_config,
     read_serve_config,
 )
+
+if TYPE_CHECKING:
+    from vllm_minimax import selection
 
 MSA_FUNCTIONS = ("msa_proxy_score", "msa_topk_select")
 
@@ -182,20 +186,66 @@ def report(
 ) -> int:
     with captured_output() as captured:
         gpu, real_capability = gpu_line()
-        flashinfer = flashinfer_line()
     logs.append(captured.text)
+    store = answer_store(args, state, real_capability)
+    flashinfer = stored_flashinfer_line(store, logs)
     print(f"GPU:          {gpu}")
     print(f"FlashInfer:   {flashinfer}")
     print("\n".join([*cuda_bindings_lines(), *describe_config(config)]))
+    code, text = verdict(args, config, state, real_capability, store, logs)
+    if store is not None and store.used:
+        print(
+            f"stored:       answers above found {min(store.used)} in this same environment,"
+            " reused (--no-cache asks FlashInfer and vLLM again)"
+        )
+    return result(code, text)
 
+
+def answer_store(
+    args: argparse.Namespace, state: patchset.SeriesState, capability: tuple[int, int] | None
+) -> doctor_cache.AnswerStore | None:
+    """Where this environment's answers are stored; None with --no-cache, or --verbose
+    (which shows what the imports print)."""
+    if args.no_cache or args.verbose:
+        return None
+    fingerprint = doctor_cache.environment_fingerprint(
+        state, state.target / patchset.STATE_FILE, capability
+    )
+    return doctor_cache.AnswerStore(fingerprint)
+
+
+def stored_flashinfer_line(store: doctor_cache.AnswerStore | None, logs: list[str]) -> str:
+    """`flashinfer_line()`, from the store when it holds one for this environment; a line
+    that reports a broken FlashInfer is never stored (it is asked again until repaired)."""
+    question = {"flashinfer": MSA_FUNCTIONS}
+    stored = store.load(question) if store is not None else None
+    if isinstance(stored, str):
+        return stored
+    with captured_output() as captured:
+        line = flashinfer_line()
+    logs.append(captured.text)
+    if store is not None and line.endswith(f"has {' and '.join(MSA_FUNCTIONS)}"):
+        store.save(question, line)
+    return line
+
+
+def verdict(
+    args: argparse.Namespace,
+    config: ServeConfig,
+    state: patchset.SeriesState,
+    real_capability: tuple[int, int] | None,
+    store: doctor_cache.AnswerStore | None,
+    logs: list[str],
+) -> tuple[int, str]:
+    """The selection rows printed, and the exit status with its result line."""
     if not state.clean:
         print("selection:    not checked: the series is not cleanly applied to this vLLM")
-        return result(EXIT_NOT_APPLIED, way_to_a_clean_series(state))
+        return EXIT_NOT_APPLIED, way_to_a_clean_series(state)
     # Validated by the CLI: a (major, minor) of a known GPU, or None for this machine.
     capability: tuple[int, int] | None = args.capability
     if capability is None and real_capability is None:
         print("selection:    not checked: no GPU here")
-        return result(
+        return (
             EXIT_CANNOT_CHECK,
             "pass --capability X.Y for the serving GPU (9.0: H100, H200, H20; 12.0: RTX PRO 6000)",
         )
@@ -204,11 +254,46 @@ def report(
     assert checked is not None
     where = f"simulated compute capability {checked[0]}.{checked[1]}" if simulated else "this GPU"
     print(f"selection:    on {where}")
-    if args.target is not None:
-        # Select with the vLLM tree that was checked above, not another one.
-        sys.path.insert(0, str(state.target))
     from vllm_minimax import selection
 
+    question = {
+        "rows": {k: v for k, v in dataclasses.asdict(config).items() if k != "source"},
+        "capability": checked,
+        "simulated": simulated,
+    }
+    rows = selection.rows_from_json(store.load(question)) if store is not None else None
+    if rows is None:
+        rows = select(args, config, state, checked, simulated, logs)
+        if store is not None and all(row.component != "vLLM" for row in rows):
+            store.save(question, selection.rows_to_json(rows))
+    width = max(len(row.component) for row in rows) + 1
+    for row in rows:
+        print(f"  {row.component + ':':<{width}} {row.backend}: {one_line(row.reason)}")
+        if row.hint is not None:
+            print(f"  {'':<{width}} change: {row.hint}")
+    outcomes = {row.outcome for row in rows}
+    if selection.Outcome.FAILS in outcomes:
+        return EXIT_FAILS, "vllm serve with this config stops at start-up (see above)"
+    if selection.Outcome.FALLBACK in outcomes:
+        return EXIT_FALLBACK, "runs, with Triton where FlashInfer could be used"
+    return EXIT_READY, "runs as configured"
+
+
+def select(
+    args: argparse.Namespace,
+    config: ServeConfig,
+    state: patchset.SeriesState,
+    checked: tuple[int, int],
+    simulated: bool,
+    logs: list[str],
+) -> list[selection.Row]:
+    """vLLM's own selection for the config (`vllm_minimax.selection`), with what it prints
+    kept in `logs`; a vLLM that fails to import or to select is a row of its own."""
+    from vllm_minimax import selection
+
+    if args.target is not None and sys.path[:1] != [str(state.target)]:
+        # Select with the vLLM tree that was checked above, not another one.
+        sys.path.insert(0, str(state.target))
     with captured_output() as captured:
         try:
             rows = selection.select_rows(config, checked, simulated=simulated)
@@ -223,17 +308,7 @@ def report(
                 )
             ]
     logs.append(captured.text)
-    width = max(len(row.component) for row in rows) + 1
-    for row in rows:
-        print(f"  {row.component + ':':<{width}} {row.backend}: {one_line(row.reason)}")
-        if row.hint is not None:
-            print(f"  {'':<{width}} change: {row.hint}")
-    outcomes = {row.outcome for row in rows}
-    if selection.Outcome.FAILS in outcomes:
-        return result(EXIT_FAILS, "vllm serve with this config stops at start-up (see above)")
-    if selection.Outcome.FALLBACK in outcomes:
-        return result(EXIT_FALLBACK, "runs, with Triton where FlashInfer could be used")
-    return result(EXIT_READY, "runs as configured")
+    return rows
 
 
 def way_to_a_clean_series(state: patchset.SeriesState) -> str:

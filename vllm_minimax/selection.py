@@ -9,6 +9,7 @@ configured, and for a fallback or a failure the config key (or doctor flag) that
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -50,6 +51,21 @@ class Row:
     reason: str
     outcome: Outcome
     hint: str | None = None
+
+
+def rows_to_json(rows: list[Row]) -> list[dict[str, str | None]]:
+    return [{**dataclasses.asdict(row), "outcome": row.outcome.value} for row in rows]
+
+
+def rows_from_json(stored: object) -> list[Row] | None:
+    """Rows `rows_to_json` wrote, or None for anything else (a stored answer of another
+    shape is no answer)."""
+    if not isinstance(stored, list) or not stored:
+        return None
+    try:
+        return [Row(**{**item, "outcome": Outcome(item["outcome"])}) for item in stored]
+    except (TypeError, ValueError, KeyError):
+        return None
 
 
 def select_rows(

@@ -131,7 +131,7 @@ def test_doctor_repairs_the_pair_pip_broke(tmp_path: Path, links: Path, wheels: 
     shutil.copy2(version_file, target / "vllm" / "_version.py")
     doctor = [venv.python, "-m", "vllm_minimax", "doctor", "--capability", "9.0"]
     doctor += ["--target", str(target)]
-    environment = {"PYTHONPATH": str(REPO_ROOT)}
+    environment = {"PYTHONPATH": str(REPO_ROOT), "VLLM_MINIMAX_CACHE": str(tmp_path / "cache")}
     done = venv.run(doctor, **environment)
     out = done.stdout
     assert done.returncode == 1, out + done.stderr

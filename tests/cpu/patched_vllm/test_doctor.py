@@ -106,6 +106,26 @@ def test_every_shipped_config_is_ready_on_its_gpu(doctor_run, path):
     assert rows(out)["indexer"].startswith("FlashInfer: "), out
 
 
+@pytest.mark.usefixtures("flashinfer_can_jit")
+@pytest.mark.parametrize("capability", ["own", "9.0", "10.0"])
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda path: path.stem)
+def test_a_stored_answer_is_the_answer_vllm_gives(doctor_run, path, capability, monkeypatch):
+    """Issue 57: doctor reuses its answers within one environment; for every shipped config,
+    on its own GPU and others, the reused answer is the one vLLM gives when asked again."""
+    capability = CONFIG_CAPABILITY[path.stem] if capability == "own" else capability
+    args = ("--config", str(path), "--capability", capability)
+    asked = doctor_run(*args, "--no-cache")
+    stored_first = doctor_run(*args)
+    calls = []
+    monkeypatch.setattr(selection, "select_rows", lambda *a, **k: calls.append(a))
+    code, out = doctor_run(*args)
+    assert calls == [], "the stored answer was not used"
+    lines = out.splitlines()
+    [stored] = [line for line in lines if line.startswith("stored:")]
+    assert (code, "\n".join(line for line in lines if line != stored) + "\n") == asked
+    assert stored_first == asked
+
+
 @pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda path: path.stem)
 def test_doctor_reads_a_config_as_vllm_serve_does(path, monkeypatch):
     from vllm.platforms import current_platform
