@@ -43,11 +43,14 @@ EXIT_FAILS = 5
 
 EXIT_CODES = f"""exit status:
   {EXIT_READY}  ready: the series is applied and the GPU (or --capability) runs the config as
-     written, FlashInfer wherever a backend is auto and FlashInfer can run
+     written, FlashInfer wherever a backend is auto and FlashInfer can run. A bf16 KV
+     cache (the shipped configs') keeps the sparse attention on Triton as configured:
+     exit 0, its row says "as configured" and names kv-cache-dtype: fp8
   {EXIT_NOT_APPLIED}  not applied: the series is not cleanly applied to this vLLM (status says why)
   {EXIT_USAGE}  bad usage: an unknown option, or a config that cannot be found or read
-  {EXIT_FALLBACK}  will fall back to Triton: a backend left at auto gets Triton (the line says
-     why and which key or flag changes it)
+  {EXIT_FALLBACK}  will fall back to Triton: the indexer left at auto gets Triton, or the sparse
+     attention left at auto gets Triton with an fp8 KV cache (the line says why and which
+     key or flag changes it, or that none does on this GPU)
   {EXIT_CANNOT_CHECK}  cannot check here: no GPU and no --capability (pass --capability 9.0, say)
   {EXIT_FAILS}  will not start as configured: vLLM refuses the config or a forced backend, or
      the vLLM tree fails to import"""
