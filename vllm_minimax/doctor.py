@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from vllm_minimax import selection
 
 MSA_FUNCTIONS = ("msa_proxy_score", "msa_topk_select")
+# How `flashinfer_line` ends when msa_ops imports with both entry points.
+HEALTHY_FLASHINFER = f"flashinfer.msa_ops has {' and '.join(MSA_FUNCTIONS)}"
 
 EXIT_READY = 0
 EXIT_NOT_APPLIED = 1
@@ -116,15 +118,19 @@ def flashinfer_line() -> str:
     missing = [name for name in MSA_FUNCTIONS if name not in present]
     if missing:
         return f"{version}; flashinfer.msa_ops lacks {', '.join(missing)}"
-    return f"{version}; flashinfer.msa_ops has {' and '.join(present)}"
+    return f"{version}; {HEALTHY_FLASHINFER}"
 
 
-def cuda_bindings_lines() -> list[str]:
-    """What is wrong with the CUDA bindings FlashInfer's msa_ops imports, and the command
-    that repairs it; nothing when they are whole or FlashInfer is not installed."""
+def cuda_bindings_problem() -> str | None:
+    """What is wrong with the CUDA bindings FlashInfer's msa_ops imports; None when they
+    are whole or FlashInfer is not installed."""
     if importlib.util.find_spec("flashinfer") is None:
-        return []
-    problem = cuda_bindings.pair_problem()
+        return None
+    return cuda_bindings.pair_problem()
+
+
+def cuda_bindings_lines(problem: str | None) -> list[str]:
+    """The problem, and the command that repairs it."""
     if problem is None:
         return []
     return [f"  CUDA bindings: {problem}", f"  repair: {cuda_bindings.repair_command()}"]
@@ -190,11 +196,16 @@ def report(
     with captured_output() as captured:
         gpu, real_capability = gpu_line()
     logs.append(captured.text)
-    store = answer_store(args, state, real_capability)
+    problem = cuda_bindings_problem()
+    store = answer_store(args, state, real_capability, problem)
     flashinfer = stored_flashinfer_line(store, logs)
+    if not flashinfer.endswith(HEALTHY_FLASHINFER):
+        # Neither read nor stored until repaired: a repair the fingerprint does not see
+        # (files put back by hand) must still show.
+        store = None
     print(f"GPU:          {gpu}")
     print(f"FlashInfer:   {flashinfer}")
-    print("\n".join([*cuda_bindings_lines(), *describe_config(config)]))
+    print("\n".join([*cuda_bindings_lines(problem), *describe_config(config)]))
     code, text = verdict(args, config, state, real_capability, store, logs)
     if store is not None and store.used:
         print(
@@ -205,21 +216,24 @@ def report(
 
 
 def answer_store(
-    args: argparse.Namespace, state: patchset.SeriesState, capability: tuple[int, int] | None
+    args: argparse.Namespace,
+    state: patchset.SeriesState,
+    capability: tuple[int, int] | None,
+    cuda_bindings_problem: str | None,
 ) -> doctor_cache.AnswerStore | None:
     """Where this environment's answers are stored; None with --no-cache, or --verbose
     (which shows what the imports print)."""
     if args.no_cache or args.verbose:
         return None
     fingerprint = doctor_cache.environment_fingerprint(
-        state, state.target / patchset.STATE_FILE, capability
+        (state, cuda_bindings_problem), state.target / patchset.STATE_FILE, capability
     )
     return doctor_cache.AnswerStore(fingerprint)
 
 
 def stored_flashinfer_line(store: doctor_cache.AnswerStore | None, logs: list[str]) -> str:
-    """`flashinfer_line()`, from the store when it holds one for this environment; a line
-    that reports a broken FlashInfer is never stored (it is asked again until repaired)."""
+    """`flashinfer_line()`, from the store when it holds one for this environment; only a
+    line that finds msa_ops whole is stored."""
     question = {"flashinfer": MSA_FUNCTIONS}
     stored = store.load(question) if store is not None else None
     if isinstance(stored, str):
@@ -227,7 +241,7 @@ def stored_flashinfer_line(store: doctor_cache.AnswerStore | None, logs: list[st
     with captured_output() as captured:
         line = flashinfer_line()
     logs.append(captured.text)
-    if store is not None and line.endswith(f"has {' and '.join(MSA_FUNCTIONS)}"):
+    if store is not None and line.endswith(HEALTHY_FLASHINFER):
         store.save(question, line)
     return line
 

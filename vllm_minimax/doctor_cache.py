@@ -6,8 +6,9 @@ nearly all of it imports).
 The fingerprint covers this Python (its executable, version and `sys.path`); every installed
 distribution on `sys.path` (each `*.dist-info`, `*.egg-info`, `*.pth` and `*.egg-link` entry
 by name, inode and modification time, and each directory's own modification time, which
-changes as top-level entries come and go); the vLLM tree's series state and state file; the
-environment variables (but the shell's `_`, `PWD`, `OLDPWD`, `SHLVL`); where `nvcc` and
+changes as top-level entries come and go); the vLLM tree's series state and state file, and
+whether the CUDA bindings' files are whole (`vllm_minimax.cuda_bindings`); the environment
+variables (but the shell's `_`, `PWD`, `OLDPWD`, `SHLVL`); where `nvcc` and
 `ninja` are, which decide whether FlashInfer can compile; this machine's GPU capability; and
 this package's own modules. A change to any of them is a new fingerprint, so the answer is
 asked of vLLM again. An edit inside an installed package that leaves its metadata alone is
@@ -79,7 +80,8 @@ def environment_fingerprint(
     series: object, state_file: Path, capability: tuple[int, int] | None
 ) -> str:
     """What doctor's stored answers depend on here; `series` is the target's series state
-    (any value with a stable `repr`), `capability` this machine's GPU (None: none)."""
+    and whatever else the caller read (any value with a stable `repr`), `capability` this
+    machine's GPU (None: none)."""
     parts = {
         "format": FORMAT,
         "python": [sys.executable, sys.version],

@@ -127,6 +127,10 @@ def test_the_repair_pins_the_recipes_pair_and_quotes_the_python() -> None:
 def test_doctor_prints_the_problem_and_the_repair(monkeypatch, capsys) -> None:
     monkeypatch.setattr(cuda_bindings, "pair_problem", lambda path=None: "3 files gone")
     monkeypatch.setattr(cuda_bindings, "repair_command", lambda: "REPAIR")
-    assert doctor.cuda_bindings_lines() == ["  CUDA bindings: 3 files gone", "  repair: REPAIR"]
-    monkeypatch.setattr(cuda_bindings, "pair_problem", lambda path=None: None)
-    assert doctor.cuda_bindings_lines() == []
+    problem = doctor.cuda_bindings_problem()
+    assert problem == "3 files gone"
+    assert doctor.cuda_bindings_lines(problem) == [
+        "  CUDA bindings: 3 files gone",
+        "  repair: REPAIR",
+    ]
+    assert doctor.cuda_bindings_lines(None) == []

@@ -180,21 +180,37 @@ def test_no_cache_and_verbose_ask_again(clean_machine, capsys, flag: str) -> Non
     assert not [line for line in out if line.startswith("stored:")]
 
 
+@pytest.mark.parametrize("broken", ["flashinfer", "vllm"])
 def test_a_broken_flashinfer_or_vllm_is_asked_again_every_time(
-    clean_machine, capsys, monkeypatch
+    clean_machine, capsys, monkeypatch, broken: str
 ) -> None:
-    """Until it is repaired: a repair outside what the fingerprint sees must still show."""
-    broken = "0.7.4; flashinfer.msa_ops does not import (ModuleNotFoundError: cuda)"
-    monkeypatch.setattr(doctor, "flashinfer_line", lambda: broken)
+    """Until it is repaired: a repair that the fingerprint does not see (files put back by
+    hand) must still show. A run whose msa_ops does not import stores no selection either
+    (its rows say Triton because of it)."""
+    if broken == "flashinfer":
+        line = "0.7.4; flashinfer.msa_ops does not import (ModuleNotFoundError: cuda)"
+        monkeypatch.setattr(doctor, "flashinfer_line", lambda: line)
+    else:
 
-    def select_rows(config, capability, *, simulated=True):
-        clean_machine["select"] += 1
-        raise ImportError("vllm._C")
+        def select_rows(config, capability, *, simulated=True):
+            clean_machine["select"] += 1
+            raise ImportError("vllm._C")
 
-    monkeypatch.setattr(selection, "select_rows", select_rows)
+        monkeypatch.setattr(selection, "select_rows", select_rows)
     for _ in range(2):
         code, out = run_doctor(capsys)
-        assert code == doctor.EXIT_FAILS
-        assert f"FlashInfer:   {broken}" in out
-        assert not [line for line in out if line.startswith("stored:")]
+        assert code == (doctor.EXIT_READY if broken == "flashinfer" else doctor.EXIT_FAILS)
     assert clean_machine["select"] == 2
+    if broken == "flashinfer":
+        assert clean_machine["flashinfer"] == 0  # the stand-in above, called each time
+        assert not [line for line in out if line.startswith("stored:")]
+
+
+def test_damaged_cuda_bindings_are_another_environment(clean_machine, capsys, monkeypatch):
+    """Files of cuda-bindings deleted outside an installer change no install record; the
+    bindings' own check is part of the fingerprint."""
+    run_doctor(capsys)
+    monkeypatch.setattr(doctor, "cuda_bindings_problem", lambda: "2 files gone")
+    _, out = run_doctor(capsys)
+    assert clean_machine == {"flashinfer": 2, "select": 2}
+    assert "  CUDA bindings: 2 files gone" in out
