@@ -13,7 +13,7 @@ ARG VLLM_IMAGE_TAG
 COPY . /opt/vllm-minimax
 
 # FlashInfer 0.7.4 over the image's pin (0.7.3; 0.7.2.post1 in v0.33.0), this package, `vllm-minimax apply`,
-# and a build failure unless `vllm-minimax status` is clean afterwards.
+# and a build failure unless flashinfer.msa_ops imports and `vllm-minimax status` is clean afterwards.
 RUN EXPECTED_VLLM_VERSION="${VLLM_IMAGE_TAG#v}" bash /opt/vllm-minimax/docker/build.sh
 
 # No ENTRYPOINT or CMD here: the base image's `vllm serve` entrypoint is kept.

@@ -6,12 +6,13 @@
 #
 # 1. Checks that the vLLM it patches has a series in patches/ (and, when
 #    EXPECTED_VLLM_VERSION is set, e.g. from the image tag, that it is that version).
-# 2. Installs requirements/user-flashinfer.txt (--no-deps): flashinfer-python 0.7.4 over
-#    the image's pin (0.7.3 in v0.34.0, 0.7.2.post1 in v0.33.0) and the cuda-python /
-#    cuda-bindings pair its msa_ops imports with; then only those of 0.7.4's requirements
-#    the environment does not already satisfy, with vLLM's own pins held (torch,
-#    apache-tvm-ffi, nvidia-cutlass-dsl, ...).
-# 3. Installs this package (pip install --no-deps .).
+# 2. Uninstalls cuda-python and cuda-bindings, then installs requirements/user-flashinfer.txt
+#    (--no-deps): flashinfer-python 0.7.4 over the image's pin (0.7.3 in v0.34.0,
+#    0.7.2.post1 in v0.33.0) and the cuda-python / cuda-bindings pair its msa_ops imports
+#    with; then only those of 0.7.4's requirements the environment does not already
+#    satisfy, with vLLM's own pins held (torch, apache-tvm-ffi, nvidia-cutlass-dsl, ...).
+# 3. Installs this package (pip install --no-deps .), and fails unless flashinfer.msa_ops
+#    imports.
 # 4. Runs `vllm-minimax apply`, then `vllm-minimax status`, and fails unless the
 #    status says the series is applied and every file is as applied.
 # --skip-pip skips steps 2 and 3 (CI: the environment is already built).
@@ -44,7 +45,7 @@ while [ $# -gt 0 ]; do
             shift
             ;;
         -h | --help)
-            sed -n '2,20p' "$0"
+            sed -n '2,22p' "$0"
             exit 0
             ;;
         *) die "unknown argument: $1 (see --help)" ;;
@@ -91,9 +92,12 @@ echo "build.sh: $version_check"
 
 # --- 2 and 3. FlashInfer 0.7.4 and this package -----------------------------------------
 if [ "$SKIP_PIP" -eq 0 ]; then
-    echo "build.sh: installing $RECIPE (--no-deps)"
+    echo "build.sh: installing $RECIPE (--no-deps), the CUDA-bindings pair removed first"
     # vLLM 0.34.0 pins flashinfer-python==0.7.3 and 0.33.0 pins 0.7.2.post1 (no SM90
-    # msa_ops); both series target 0.7.4's msa_ops.
+    # msa_ops); both series target 0.7.4's msa_ops. cuda-python 12.x and cuda-bindings 13.x
+    # both write cuda/bindings/: replacing them in one pip run can delete the new files
+    # (README, "Install"), so both go first, as README's recipe does.
+    $PIP uninstall -y cuda-python cuda-bindings
     $PIP install --no-cache-dir --no-deps -r "$RECIPE"
 
     # 0.7.4's requirements that are not met here, and pins that keep vLLM's stack as is.
@@ -148,6 +152,12 @@ EOF
 
     echo "build.sh: installing vllm-minimax (--no-deps)"
     $PIP install --no-cache-dir --no-deps "$REPO"
+
+    # pip exits 0 from installs that leave msa_ops unimportable (issue 57): check it here.
+    if ! msa_ops_error="$("$PYTHON" -c 'import flashinfer.msa_ops' 2>&1)"; then
+        die "flashinfer.msa_ops does not import after the installs above: $(tail -n 1 <<<"$msa_ops_error")"
+    fi
+    echo "build.sh: flashinfer.msa_ops imports"
 fi
 
 # --- 4. apply, then insist on a clean status ----------------------------------------------

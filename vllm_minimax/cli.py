@@ -44,6 +44,25 @@ STATUS_EXIT_CODES = """exit status:
   2  anything else: no series for this vLLM version, the series does not apply, files
      edited or half-applied since apply, a changed series, or an error"""
 
+APPLY_EXIT_CODES = """exit status:
+  0    applied, or already applied (nothing changed); also when the writes finished but
+       the report could not be written to standard output (standard error says so)
+  2    nothing changed, and the error line says why: no series for this vLLM, the series
+       does not apply, another apply or revert at work on the target, a write that failed
+       and was rolled back, or bad usage (a rollback that fails too is said with what it
+       left and what to run)
+  130  interrupted (Ctrl-C, SIGTERM): rolled back, nothing changed, unless the line says
+       the writes had finished"""
+
+REVERT_EXIT_CODES = """exit status:
+  0    reverted: every file apply changed is restored and its state file removed; also
+       when the report could not be written to standard output (standard error says so)
+  2    nothing changed, and the error line says why: nothing applied, a file edited since
+       apply, another apply or revert at work on the target, a write that failed and was
+       rolled back, or bad usage (a rollback that fails too is said with what it left)
+  130  interrupted (Ctrl-C, SIGTERM): rolled back, nothing changed, unless the line says
+       the writes had finished"""
+
 # Compute capabilities of NVIDIA GPUs that CUDA and vLLM know (Volta to Blackwell). The
 # FlashInfer MSA indexer gates on 9.0, 12.0 and 12.1; doctor shows what the others select.
 KNOWN_CAPABILITIES = (
@@ -86,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="apply the patch series to vLLM",
         description="Apply the patch series for the target's vLLM release, all or nothing;"
         " applying it again changes nothing. `vllm-minimax revert` undoes it.",
+        epilog=APPLY_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     apply_parser.add_argument("--target", type=path_argument, metavar="DIR", help=target_help)
     apply_parser.set_defaults(handler=run_apply)
@@ -95,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="restore vLLM's original files",
         description="Restore every file `vllm-minimax apply` changed, byte for byte and with"
         " its mode, all or nothing; refused when a file was edited since.",
+        epilog=REVERT_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     revert_parser.add_argument("--target", type=path_argument, metavar="DIR", help=target_help)
     revert_parser.set_defaults(handler=run_revert)
@@ -156,7 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     doctor_parser.add_argument(
         "--verbose",
         action="store_true",
-        help="also print each touched file's state and what torch, FlashInfer and vLLM logged",
+        help="also print each touched file's state and what torch, FlashInfer and vLLM logged"
+        " (asks vLLM and FlashInfer again, as --no-cache does)",
+    )
+    doctor_parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="ask vLLM and FlashInfer again even when this environment's answers are stored"
+        " (doctor stores them, keyed on the installed packages, the series state, the"
+        " environment variables and the GPU, to answer the next call without importing vLLM)",
     )
     doctor_parser.set_defaults(handler=run_doctor)
 

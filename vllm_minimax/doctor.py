@@ -19,8 +19,9 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from vllm_minimax import patchset
+from vllm_minimax import cuda_bindings, doctor_cache, patchset
 from vllm_minimax.serve_config import (
     ServeConfig,
     ServeConfigError,
@@ -28,7 +29,12 @@ from vllm_minimax.serve_config import (
     read_serve_config,
 )
 
+if TYPE_CHECKING:
+    from vllm_minimax import selection
+
 MSA_FUNCTIONS = ("msa_proxy_score", "msa_topk_select")
+# How `flashinfer_line` ends when msa_ops imports with both entry points.
+HEALTHY_FLASHINFER = f"flashinfer.msa_ops has {' and '.join(MSA_FUNCTIONS)}"
 
 EXIT_READY = 0
 EXIT_NOT_APPLIED = 1
@@ -39,11 +45,14 @@ EXIT_FAILS = 5
 
 EXIT_CODES = f"""exit status:
   {EXIT_READY}  ready: the series is applied and the GPU (or --capability) runs the config as
-     written, FlashInfer wherever a backend is auto and FlashInfer can run
+     written, FlashInfer wherever a backend is auto and FlashInfer can run. A bf16 KV
+     cache (the shipped configs') keeps the sparse attention on Triton as configured:
+     exit 0, its row says "as configured" and names kv-cache-dtype: fp8
   {EXIT_NOT_APPLIED}  not applied: the series is not cleanly applied to this vLLM (status says why)
   {EXIT_USAGE}  bad usage: an unknown option, or a config that cannot be found or read
-  {EXIT_FALLBACK}  will fall back to Triton: a backend left at auto gets Triton (the line says
-     why and which key or flag changes it)
+  {EXIT_FALLBACK}  will fall back to Triton: the indexer left at auto gets Triton, or the sparse
+     attention left at auto gets Triton with an fp8 KV cache (the line says why and which
+     key or flag changes it, or that none does on this GPU)
   {EXIT_CANNOT_CHECK}  cannot check here: no GPU and no --capability (pass --capability 9.0, say)
   {EXIT_FAILS}  will not start as configured: vLLM refuses the config or a forced backend, or
      the vLLM tree fails to import"""
@@ -109,7 +118,22 @@ def flashinfer_line() -> str:
     missing = [name for name in MSA_FUNCTIONS if name not in present]
     if missing:
         return f"{version}; flashinfer.msa_ops lacks {', '.join(missing)}"
-    return f"{version}; flashinfer.msa_ops has {' and '.join(present)}"
+    return f"{version}; {HEALTHY_FLASHINFER}"
+
+
+def cuda_bindings_problem() -> str | None:
+    """What is wrong with the CUDA bindings FlashInfer's msa_ops imports; None when they
+    are whole or FlashInfer is not installed."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return None
+    return cuda_bindings.pair_problem()
+
+
+def cuda_bindings_lines(problem: str | None) -> list[str]:
+    """The problem, and the command that repairs it."""
+    if problem is None:
+        return []
+    return [f"  CUDA bindings: {problem}", f"  repair: {cuda_bindings.repair_command()}"]
 
 
 def serve_config_from(args: argparse.Namespace) -> ServeConfig:
@@ -171,20 +195,74 @@ def report(
 ) -> int:
     with captured_output() as captured:
         gpu, real_capability = gpu_line()
-        flashinfer = flashinfer_line()
     logs.append(captured.text)
+    problem = cuda_bindings_problem()
+    store = answer_store(args, state, real_capability, problem)
+    flashinfer = stored_flashinfer_line(store, logs)
+    if not flashinfer.endswith(HEALTHY_FLASHINFER):
+        # Neither read nor stored until repaired: a repair the fingerprint does not see
+        # (files put back by hand) must still show.
+        store = None
     print(f"GPU:          {gpu}")
     print(f"FlashInfer:   {flashinfer}")
-    print("\n".join(describe_config(config)))
+    print("\n".join([*cuda_bindings_lines(problem), *describe_config(config)]))
+    code, text = verdict(args, config, state, real_capability, store, logs)
+    if store is not None and store.used:
+        print(
+            f"stored:       answers above found {min(store.used)} in this same environment,"
+            " reused (--no-cache asks FlashInfer and vLLM again)"
+        )
+    return result(code, text)
 
+
+def answer_store(
+    args: argparse.Namespace,
+    state: patchset.SeriesState,
+    capability: tuple[int, int] | None,
+    cuda_bindings_problem: str | None,
+) -> doctor_cache.AnswerStore | None:
+    """Where this environment's answers are stored; None with --no-cache, or --verbose
+    (which shows what the imports print)."""
+    if args.no_cache or args.verbose:
+        return None
+    fingerprint = doctor_cache.environment_fingerprint(
+        (state, cuda_bindings_problem), state.target / patchset.STATE_FILE, capability
+    )
+    return doctor_cache.AnswerStore(fingerprint)
+
+
+def stored_flashinfer_line(store: doctor_cache.AnswerStore | None, logs: list[str]) -> str:
+    """`flashinfer_line()`, from the store when it holds one for this environment; only a
+    line that finds msa_ops whole is stored."""
+    question = {"flashinfer": MSA_FUNCTIONS}
+    stored = store.load(question) if store is not None else None
+    if isinstance(stored, str):
+        return stored
+    with captured_output() as captured:
+        line = flashinfer_line()
+    logs.append(captured.text)
+    if store is not None and line.endswith(HEALTHY_FLASHINFER):
+        store.save(question, line)
+    return line
+
+
+def verdict(
+    args: argparse.Namespace,
+    config: ServeConfig,
+    state: patchset.SeriesState,
+    real_capability: tuple[int, int] | None,
+    store: doctor_cache.AnswerStore | None,
+    logs: list[str],
+) -> tuple[int, str]:
+    """The selection rows printed, and the exit status with its result line."""
     if not state.clean:
         print("selection:    not checked: the series is not cleanly applied to this vLLM")
-        return result(EXIT_NOT_APPLIED, way_to_a_clean_series(state))
+        return EXIT_NOT_APPLIED, way_to_a_clean_series(state)
     # Validated by the CLI: a (major, minor) of a known GPU, or None for this machine.
     capability: tuple[int, int] | None = args.capability
     if capability is None and real_capability is None:
         print("selection:    not checked: no GPU here")
-        return result(
+        return (
             EXIT_CANNOT_CHECK,
             "pass --capability X.Y for the serving GPU (9.0: H100, H200, H20; 12.0: RTX PRO 6000)",
         )
@@ -193,11 +271,46 @@ def report(
     assert checked is not None
     where = f"simulated compute capability {checked[0]}.{checked[1]}" if simulated else "this GPU"
     print(f"selection:    on {where}")
-    if args.target is not None:
-        # Select with the vLLM tree that was checked above, not another one.
-        sys.path.insert(0, str(state.target))
     from vllm_minimax import selection
 
+    question = {
+        "rows": {k: v for k, v in dataclasses.asdict(config).items() if k != "source"},
+        "capability": checked,
+        "simulated": simulated,
+    }
+    rows = selection.rows_from_json(store.load(question)) if store is not None else None
+    if rows is None:
+        rows = select(args, config, state, checked, simulated, logs)
+        if store is not None and all(row.component != "vLLM" for row in rows):
+            store.save(question, selection.rows_to_json(rows))
+    width = max(len(row.component) for row in rows) + 1
+    for row in rows:
+        print(f"  {row.component + ':':<{width}} {row.backend}: {one_line(row.reason)}")
+        if row.hint is not None:
+            print(f"  {'':<{width}} change: {row.hint}")
+    outcomes = {row.outcome for row in rows}
+    if selection.Outcome.FAILS in outcomes:
+        return EXIT_FAILS, "vllm serve with this config stops at start-up (see above)"
+    if selection.Outcome.FALLBACK in outcomes:
+        return EXIT_FALLBACK, "runs, with Triton where FlashInfer could be used"
+    return EXIT_READY, "runs as configured"
+
+
+def select(
+    args: argparse.Namespace,
+    config: ServeConfig,
+    state: patchset.SeriesState,
+    checked: tuple[int, int],
+    simulated: bool,
+    logs: list[str],
+) -> list[selection.Row]:
+    """vLLM's own selection for the config (`vllm_minimax.selection`), with what it prints
+    kept in `logs`; a vLLM that fails to import or to select is a row of its own."""
+    from vllm_minimax import selection
+
+    if args.target is not None and sys.path[:1] != [str(state.target)]:
+        # Select with the vLLM tree that was checked above, not another one.
+        sys.path.insert(0, str(state.target))
     with captured_output() as captured:
         try:
             rows = selection.select_rows(config, checked, simulated=simulated)
@@ -212,17 +325,7 @@ def report(
                 )
             ]
     logs.append(captured.text)
-    width = max(len(row.component) for row in rows) + 1
-    for row in rows:
-        print(f"  {row.component + ':':<{width}} {row.backend}: {one_line(row.reason)}")
-        if row.hint is not None:
-            print(f"  {'':<{width}} change: {row.hint}")
-    outcomes = {row.outcome for row in rows}
-    if selection.Outcome.FAILS in outcomes:
-        return result(EXIT_FAILS, "vllm serve with this config stops at start-up (see above)")
-    if selection.Outcome.FALLBACK in outcomes:
-        return result(EXIT_FALLBACK, "runs, with Triton where FlashInfer could be used")
-    return result(EXIT_READY, "runs as configured")
+    return rows
 
 
 def way_to_a_clean_series(state: patchset.SeriesState) -> str:

@@ -9,10 +9,11 @@ configured, and for a fallback or a failure the config key (or doctor flag) that
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
-from vllm_minimax import probe
+from vllm_minimax import cuda_bindings, probe
 from vllm_minimax.serve_config import (
     M3_HEAD_DIM,
     M3_SPARSE_BLOCK,
@@ -21,9 +22,17 @@ from vllm_minimax.serve_config import (
 )
 
 INSTALL_HINT = (
-    "install FlashInfer as requirements/user-flashinfer.txt pins it (docs/deploy.md, 'FlashInfer"
-    " 0.7.4')"
+    "install FlashInfer from requirements/user-flashinfer.txt as README's 'Install' does"
+    " (cuda-python and cuda-bindings uninstalled first)"
 )
+
+
+def install_hint() -> str:
+    """What makes FlashInfer's msa_ops importable: the CUDA bindings repaired when they are
+    not whole (installing the recipe again would find it satisfied), else the recipe."""
+    if cuda_bindings.pair_problem() is not None:
+        return f"repair the CUDA bindings: {cuda_bindings.repair_command()}"
+    return INSTALL_HINT
 
 
 class Outcome(enum.Enum):
@@ -42,6 +51,21 @@ class Row:
     reason: str
     outcome: Outcome
     hint: str | None = None
+
+
+def rows_to_json(rows: list[Row]) -> list[dict[str, str | None]]:
+    return [{**dataclasses.asdict(row), "outcome": row.outcome.value} for row in rows]
+
+
+def rows_from_json(stored: object) -> list[Row] | None:
+    """Rows `rows_to_json` wrote, or None for anything else (a stored answer of another
+    shape is no answer)."""
+    if not isinstance(stored, list) or not stored:
+        return None
+    try:
+        return [Row(**{**item, "outcome": Outcome(item["outcome"])}) for item in stored]
+    except (TypeError, ValueError, KeyError):
+        return None
 
 
 def select_rows(
@@ -93,7 +117,7 @@ def indexer_hint(reason: str, forced: bool) -> str:
     if "flashinfer" in reason.lower() and any(
         word in reason for word in ("import", "install", "older than", "has no", "does not take")
     ):
-        return INSTALL_HINT
+        return install_hint()
     if "set indexer_kv_dtype" in reason or "index cache is" in reason:
         return (
             "set attention-config.indexer_kv_dtype: fp8 in the config (doctor: --indexer-kv-dtype)"

@@ -19,7 +19,16 @@ from patchset_helpers import (
     tree_manifest,
 )
 
+from vllm_minimax import doctor_cache
 from vllm_minimax.patchset import STATE_FILE
+
+
+@pytest.fixture(autouse=True)
+def doctor_answers_of_this_test(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Each test's doctor stores its answers apart: an answer stored by another test, or by
+    a doctor run outside the tests, in an environment the tests monkeypatch, is not one."""
+    directory = tmp_path / "doctor-answers"
+    monkeypatch.setattr(doctor_cache, "cache_dir", lambda: directory)
 
 
 @pytest.fixture(scope="session")

@@ -144,6 +144,7 @@ def build_and_unpack_wheel(tmp_path: Path) -> Path:
     shutil.copytree(REPO_ROOT / "patches", source / "patches")
     shutil.copytree(REPO_ROOT / "evals", source / "evals")
     shutil.copytree(REPO_ROOT / "configs", source / "configs")
+    shutil.copytree(REPO_ROOT / "requirements", source / "requirements")
     build = "import setuptools.build_meta as b, sys; print(b.build_wheel(sys.argv[1]))"
     completed = subprocess.run(
         [sys.executable, "-c", build, str(tmp_path / "dist")],

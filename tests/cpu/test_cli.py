@@ -418,6 +418,35 @@ def test_status_help_documents_the_exit_codes(capsys: pytest.CaptureFixture[str]
         assert line in out, out
 
 
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_apply_and_revert_help_document_the_exit_codes_they_return(
+    command: str, small_target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 57: status and doctor had an exit-status table, apply and revert none."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    table = out[out.index("exit status:") :]
+    assert [line.split()[0] for line in table.splitlines() if line[:3].strip()] == [
+        "exit", "0", "2", "130"
+    ]  # fmt: skip
+    # The two that need no Ctrl-C (130: test_patchset_faults.py).
+    target = ["--target", str(small_target)]
+    if command == "apply":
+        assert main(["apply", *target]) == 0
+        assert main(["apply", *target]) == 0  # already applied
+        bare = tmp_path / "bare"
+        (bare / "vllm").mkdir(parents=True)
+        version = (small_target / "vllm" / "_version.py").read_text()
+        (bare / "vllm" / "_version.py").write_text(version)
+        assert main(["apply", "--target", str(bare)]) == 2  # the series does not apply
+    else:
+        assert main(["revert", *target]) == 2  # nothing applied
+        assert main(["apply", *target]) == 0
+        assert main(["revert", *target]) == 0
+    assert "nothing" in capsys.readouterr().err
+
+
 def test_doctor_on_a_vllm_that_does_not_import_is_one_finding(small_target: Path) -> None:
     """A tree whose vLLM fails to import gets doctor's one line and exit 5 (will not start),
     in a fresh interpreter so that the installed vLLM is not already imported."""

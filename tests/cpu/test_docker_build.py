@@ -139,10 +139,33 @@ def test_pip_steps_install_flashinfer_074_and_the_package_without_deps(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     recipe = REPO_ROOT / "requirements" / "user-flashinfer.txt"
-    assert f"PIP install --no-cache-dir --no-deps -r {recipe}" in lines
+    # The CUDA-bindings pair goes first, as in README's recipe (issue 57).
+    uninstall = lines.index("PIP uninstall -y cuda-python cuda-bindings")
+    assert lines[uninstall + 1] == f"PIP install --no-cache-dir --no-deps -r {recipe}"
     assert "build.sh: flashinfer-python 0.7.4's requirements are already met" in lines
     assert f"PIP install --no-cache-dir --no-deps {REPO_ROOT}" in lines
+    assert "build.sh: flashinfer.msa_ops imports" in lines
     assert patchset.series_state(target).clean
+
+
+def test_the_build_fails_when_msa_ops_does_not_import(tmp_path):
+    """pip exits 0 from installs that leave msa_ops unimportable (issue 57); the build does
+    not, and applies nothing."""
+    planted = tmp_path / "planted" / "flashinfer"
+    planted.mkdir(parents=True)
+    (planted / "__init__.py").write_text("")
+    (planted / "msa_ops.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'cuda.bindings.driver'\")\n"
+    )
+    target = scratch_vllm(tmp_path / "site")
+    before = tree_manifest(target)
+    result = run_build(TARGET=str(target), PIP="echo PIP", PYTHONPATH=str(planted.parent))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (
+        "build.sh: error: flashinfer.msa_ops does not import after the installs above:"
+        " ModuleNotFoundError: No module named 'cuda.bindings.driver'"
+    ) in result.stderr
+    assert tree_manifest(target) == before
 
 
 def test_dockerfile_builds_from_the_series_image_and_keeps_its_entrypoint():

@@ -774,6 +774,21 @@ def test_ab_report_gives_median_spread_and_paired_ratios():
     assert "Round order: 1: a then b; 2: b then a; 3: a then b." in text
 
 
+def test_a_small_figure_keeps_two_significant_digits():
+    """Issue 57: a TPOT p50 of 0.013 ms (a CPU server's bunched chunks) was printed 0.0."""
+    fast = {**level(1, 0, 100.0), "tpot_ms": {"p50": 0.013, "p99": 0.0049}}
+    text = report.ab_markdown(ab_record([fast], [level(1, 0, 100.0)], repeat=1), [])
+    assert "| 100.0 | 10.0 | 0.013 |" in text, text
+    assert "| 0.013 | 5.0 | 20.0 | 0.0049 |" in report.throughput_markdown(
+        {"preset": "p", "base_url": "u", "model": "m", "scenarios": [
+            {"name": "s", "shapes": [{"input_tokens": 1, "output_tokens": 2}],
+             "num_requests": 1, "levels": [fast]}]}
+    )  # fmt: skip
+    assert [report.number_text(v, 1) for v in (0.0, 4.0, 0.04, -0.004, 123.46)] == [
+        "0.0", "4.0", "0.040", "-0.0040", "123.5"
+    ]  # fmt: skip
+
+
 def test_ab_ratios_pair_levels_by_round_not_by_list_position():
     """Arm `b` misses round 1 and lists its rounds out of order: each ratio still divides
     b's tok/s by a's of the same round."""

@@ -16,6 +16,10 @@ def test_wheel_ships_the_package_but_not_the_test_rigs(tmp_path: Path) -> None:
     assert (package / "cli.py").is_file()
     assert (package / "evals" / "ab.py").is_file()
     assert (package / "_eval_configs" / "throughput" / "indexer.yaml").is_file()
+    # doctor's repair of the CUDA bindings reads its pins from the recipe.
+    recipe = REPO_ROOT / "requirements" / "user-flashinfer.txt"
+    assert (package / "_requirements" / recipe.name).read_bytes() == recipe.read_bytes()
+    assert [path.name for path in (package / "_requirements").iterdir()] == [recipe.name]
     assert not (package / "testing").exists()
     assert not (installed / "benchmarks").exists()
 

@@ -115,10 +115,19 @@ class Spread:
         return cls(statistics.median(finite), min(finite), max(finite), len(finite))
 
     def text(self, digits: int = 1, suffix: str = "") -> str:
-        median = f"{self.median:.{digits}f}{suffix}"
+        median = f"{number_text(self.median, digits)}{suffix}"
         if self.rounds == 1:
             return median
-        return f"{median} ({self.low:.{digits}f}..{self.high:.{digits}f})"
+        return f"{median} ({number_text(self.low, digits)}..{number_text(self.high, digits)})"
+
+
+def number_text(value: float, digits: int) -> str:
+    """`value` with `digits` decimals, or with two significant ones where `digits` would
+    show a value that is not 0 as 0 (a TPOT of 0.013 ms was printed "0.0")."""
+    text = f"{value:.{digits}f}"
+    if value != 0 and float(text) == 0:
+        text = f"{value:.{1 - math.floor(math.log10(abs(value)))}f}"
+    return text
 
 
 METRICS: dict[str, Callable[[dict[str, Any]], float | None]] = {

@@ -12,7 +12,7 @@ import vllm.models.minimax_m3.nvidia.indexer_flashinfer_gate as gate
 from test_serve_configs import minimax_m3_text_config, parse_serve_args
 from vllm.engine.arg_utils import EngineArgs
 
-from vllm_minimax import cli, doctor, probe, selection, serve_config
+from vllm_minimax import cli, cuda_bindings, doctor, probe, selection, serve_config
 
 REPO = Path(__file__).resolve().parents[3]
 SERVE_CONFIGS = sorted((REPO / "configs" / "serve").glob("*.yaml"))
@@ -106,6 +106,26 @@ def test_every_shipped_config_is_ready_on_its_gpu(doctor_run, path):
     assert rows(out)["indexer"].startswith("FlashInfer: "), out
 
 
+@pytest.mark.usefixtures("flashinfer_can_jit")
+@pytest.mark.parametrize("capability", ["own", "9.0", "10.0"])
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda path: path.stem)
+def test_a_stored_answer_is_the_answer_vllm_gives(doctor_run, path, capability, monkeypatch):
+    """Issue 57: doctor reuses its answers within one environment; for every shipped config,
+    on its own GPU and others, the reused answer is the one vLLM gives when asked again."""
+    capability = CONFIG_CAPABILITY[path.stem] if capability == "own" else capability
+    args = ("--config", str(path), "--capability", capability)
+    asked = doctor_run(*args, "--no-cache")
+    stored_first = doctor_run(*args)
+    calls = []
+    monkeypatch.setattr(selection, "select_rows", lambda *a, **k: calls.append(a))
+    code, out = doctor_run(*args)
+    assert calls == [], "the stored answer was not used"
+    lines = out.splitlines()
+    [stored] = [line for line in lines if line.startswith("stored:")]
+    assert (code, "\n".join(line for line in lines if line != stored) + "\n") == asked
+    assert stored_first == asked
+
+
 @pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda path: path.stem)
 def test_doctor_reads_a_config_as_vllm_serve_does(path, monkeypatch):
     from vllm.platforms import current_platform
@@ -154,6 +174,20 @@ def test_msa_ops_that_do_not_import_fall_back_with_the_install_hint(doctor_run, 
     indexer = rows(out)["indexer"]
     assert "cudaLibrary_t" in indexer
     assert indexer.endswith(f"change: {selection.INSTALL_HINT}")
+
+
+@pytest.mark.usefixtures("flashinfer_can_jit")
+def test_broken_cuda_bindings_get_the_repair_not_the_recipe(doctor_run, monkeypatch):
+    """Issue 57: after pip's removal of cuda-python 12 deleted cuda-bindings' files, the
+    recipe the hint named was 'already satisfied', and doctor kept advising it."""
+    broken = functools.cache(lambda: BROKEN_MSA_OPS)
+    monkeypatch.setattr(gate, "flashinfer_msa_indexer_unavailable", broken)
+    monkeypatch.setattr(cuda_bindings, "pair_problem", lambda path=None: "2 files gone")
+    code, out = doctor_run("--config", "h200-8x", "--capability", "9.0")
+    assert code == doctor.EXIT_FALLBACK, out
+    repair = cuda_bindings.repair_command()
+    assert rows(out)["indexer"].endswith(f"change: repair the CUDA bindings: {repair}")
+    assert f"  CUDA bindings: 2 files gone\n  repair: {repair}\n" in out
 
 
 @pytest.mark.usefixtures("flashinfer_can_jit")
