@@ -286,8 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         type=config_name_option,
         required=True,
+        action="append",
         metavar="YAML_OR_NAME",
-        help="a vllm serve config file, or a shipped config's name (e.g. h200-8x)",
+        help="a vllm serve config file, or a shipped config's name (e.g. h200-8x); with"
+        " --prebuild, repeat it for several",
     )
     warmup_parser.add_argument(
         "--model",
@@ -321,9 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prebuild.add_argument(
         "--kv-cache-dtype",
+        action="append",
         default=None,
         help="as vllm serve's --kv-cache-dtype, over the config's (fp8: also the sparse"
-        " attention's programs)",
+        " attention's programs); repeat it for each dtype the server may run with",
     )
     prebuild.add_argument(
         "--jobs",
@@ -399,8 +402,15 @@ def run_warmup(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if len(args.config) > 1:
+        print(
+            "vllm-minimax warmup: error: one --config on the GPU (several go with --prebuild)",
+            file=sys.stderr,
+        )
+        return 2
     from vllm_minimax import warmup
 
+    args.config = args.config[0]
     return warmup.main(args)
 
 

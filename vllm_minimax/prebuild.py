@@ -131,7 +131,8 @@ class EngineShape:
 
 @dataclass
 class Plan:
-    """The warm-up geometries of one config on one GPU and the programs they reach."""
+    """The warm-up geometries of an engine on one GPU, the programs they reach, and the
+    configs (with the KV-cache dtype given) whose engines have these geometries."""
 
     gpu: GpuTarget
     indexer: Any | None = None
@@ -140,6 +141,51 @@ class Plan:
     sparse_attention_reason: str | None = None
     nvcc: list[str] = field(default_factory=list)
     cute_dsl: list[str] = field(default_factory=list)
+    configs: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        return (self.gpu.sm_count, repr(self.indexer), repr(self.sparse_attention))
+
+
+# --- FlashInfer's own prebuilt kernels in an environment -----------------------------------
+
+# FlashInfer's kernel wheels: downloaded cubins, and the AOT JIT cache (a shim and one provider
+# per architecture, ``flashinfer-jit-cache-<arch>``).
+CUBIN_WHEEL = "flashinfer-cubin"
+JIT_CACHE_WHEEL = "flashinfer-jit-cache"
+
+
+def installed_distributions() -> dict[str, str]:
+    """Every installed distribution's normalized name and version."""
+    import importlib.metadata
+    import re
+
+    found = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name:
+            found[re.sub(r"[-_.]+", "-", name).lower()] = dist.version
+    return found
+
+
+def mismatched_kernel_wheels(installed: dict[str, str], flashinfer: str) -> list[str]:
+    """FlashInfer kernel wheels in ``installed`` that ``flashinfer`` ignores: a
+    ``flashinfer-cubin`` of another version (``flashinfer/jit/env.py``,
+    ``_check_cubin_version``), a ``flashinfer-jit-cache`` shim or provider whose version is
+    neither ``flashinfer``'s nor it plus a local CUDA suffix (``_check_jit_cache_version``).
+    The base vLLM image installs both for the FlashInfer it pins (0.7.3 for v0.34.0)."""
+    stale = []
+    for name, version in sorted(installed.items()):
+        if name == CUBIN_WHEEL:
+            matches = version == flashinfer
+        elif name == JIT_CACHE_WHEEL or name.startswith(f"{JIT_CACHE_WHEEL}-"):
+            matches = version == flashinfer or version.startswith(f"{flashinfer}+")
+        else:
+            continue
+        if not matches:
+            stale.append(name)
+    return stale
 
 
 # --- what the engine would run ------------------------------------------------------------
@@ -646,9 +692,7 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def _write_manifest(
-    iw: Any, jit_dir: Path, builder: Builder, plans: list[Plan], config: Path
-) -> Path:
+def _write_manifest(iw: Any, jit_dir: Path, builder: Builder, plans: list[Plan]) -> Path:
     """Record the programs built here and what they were built with (patch 0004's
     ``_prebuild_environment``, what the engine compares), merged with an earlier prebuild
     of the same setup; ``check_prebuilt_programs`` has removed one of another setup."""
@@ -670,17 +714,18 @@ def _write_manifest(
         if isinstance(entry, dict)
     }
     for plan in plans:
-        configs[(str(config), plan.gpu.name)] = {
-            "config": str(config),
-            "gpu": plan.gpu.name,
-            "indexer": repr(plan.indexer) if plan.indexer else plan.indexer_reason,
-            "sparse_attention": (
-                repr(plan.sparse_attention)
-                if plan.sparse_attention
-                else plan.sparse_attention_reason
-            ),
-            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
+        for config in plan.configs:
+            configs[(config, plan.gpu.name)] = {
+                "config": config,
+                "gpu": plan.gpu.name,
+                "indexer": repr(plan.indexer) if plan.indexer else plan.indexer_reason,
+                "sparse_attention": (
+                    repr(plan.sparse_attention)
+                    if plan.sparse_attention
+                    else plan.sparse_attention_reason
+                ),
+                "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
     manifest = {
         "format": 1,
         "written_by": "vllm-minimax warmup --prebuild",
@@ -695,19 +740,55 @@ def _write_manifest(
     return path
 
 
+def _plans(
+    configs: list[Path],
+    kv_cache_dtypes: list[str | None],
+    model: ModelGeometry,
+    gpus: list[GpuTarget],
+) -> list[Plan]:
+    """One plan per distinct warm-up geometry of the engines of ``configs`` (each with each
+    KV-cache dtype) on ``gpus``, printed as it is found."""
+    plans: dict[tuple[int, str, str], Plan] = {}
+    for config in configs:
+        for kv_cache_dtype in kv_cache_dtypes:
+            settings = read_engine_settings(config, kv_cache_dtype)
+            label = str(config) + (f" --kv-cache-dtype {kv_cache_dtype}" if kv_cache_dtype else "")
+            _say(label)
+            if settings.warmup_off:
+                _say(f"  note: {settings.warmup_off}; the engine loads the programs at first use")
+            for gpu in gpus:
+                shape = engine_shape(settings, model, gpu)
+                plan = Plan(gpu)
+                plan.indexer, plan.indexer_reason = indexer_geometry(settings, model, shape)
+                plan.sparse_attention, plan.sparse_attention_reason = sparse_attention_geometry(
+                    settings, model, shape
+                )
+                sources = ", ".join(f"{key} from {how}" for key, how in shape.sources.items())
+                _say(f"  {gpu.name} ({gpu.sm_count} SMs): {sources}")
+                _say(f"    indexer: {plan.indexer or 'none: ' + str(plan.indexer_reason)}")
+                _say(
+                    "    sparse attention: "
+                    f"{plan.sparse_attention or 'none: ' + str(plan.sparse_attention_reason)}"
+                )
+                plans.setdefault(plan.key, plan).configs.append(label)
+    return list(plans.values())
+
+
 def run(args: argparse.Namespace) -> int:
     location = warmup.cache_location(args.cache_dir)
-    config: Path = args.config
-    if not config.is_file():
-        what = "is not a file" if config.exists() else "does not exist"
-        raise PrebuildError(f"serving config {config} {what}")
-    gpus = [GPU_TARGETS[name] for name in (args.gpu or DEFAULT_GPUS)]
+    configs: list[Path] = args.config
+    for config in configs:
+        if not config.is_file():
+            what = "is not a file" if config.exists() else "does not exist"
+            raise PrebuildError(f"serving config {config} {what}")
+    gpus = [GPU_TARGETS[name] for name in dict.fromkeys(args.gpu or DEFAULT_GPUS)]
+    kv_cache_dtypes: list[str | None] = list(dict.fromkeys(args.kv_cache_dtype or [None]))
     if not args.dry_run:
         warmup.check_writable(location)
     _set_environment(location)
-    settings = read_engine_settings(config, args.kv_cache_dtype)
     model = read_model_geometry(args.model)
     offline.check_flashinfer()
+    import importlib
     import importlib.util
 
     if importlib.util.find_spec(INDEXER_WARMUP_MODULE) is None:
@@ -716,31 +797,12 @@ def run(args: argparse.Namespace) -> int:
         )
     jit_dir = _check_flashinfer_paths(location)
     cuda_home = None if args.dry_run else _check_toolchain()
-    import importlib
-
     iw = importlib.import_module(INDEXER_WARMUP_MODULE)
     _say(f"FlashInfer {offline.VALIDATED_FLASHINFER}, cache {jit_dir}")
     _say(f"model: {model.source}")
-    if settings.warmup_off:
-        _say(f"note: {settings.warmup_off}; the engine loads these programs at first use")
-    plans: list[Plan] = []
-    for gpu in gpus:
-        shape = engine_shape(settings, model, gpu)
-        plan = Plan(gpu)
-        plan.indexer, plan.indexer_reason = indexer_geometry(settings, model, shape)
-        plan.sparse_attention, plan.sparse_attention_reason = sparse_attention_geometry(
-            settings, model, shape
-        )
-        plans.append(plan)
-        sources = ", ".join(f"{key} from {how}" for key, how in shape.sources.items())
-        _say(f"{gpu.name} ({gpu.sm_count} SMs): {sources}")
-        _say(f"  indexer: {plan.indexer or 'none: ' + str(plan.indexer_reason)}")
-        _say(
-            "  sparse attention: "
-            f"{plan.sparse_attention or 'none: ' + str(plan.sparse_attention_reason)}"
-        )
+    plans = _plans(configs, kv_cache_dtypes, model, gpus)
     if all(plan.indexer is None and plan.sparse_attention is None for plan in plans):
-        raise PrebuildError(f"{config} runs no FlashInfer program on these GPUs; nothing to build")
+        raise PrebuildError("no engine of these configs runs a FlashInfer program on these GPUs")
     if cuda_home is not None:
         iw.check_prebuilt_programs()
         _say(f"building with the CUDA toolkit at {cuda_home}")
@@ -749,16 +811,19 @@ def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     try:
         for plan in plans:
-            plan_programs(plan, builder)
+            if plan.indexer is not None or plan.sparse_attention is not None:
+                plan_programs(plan, builder)
     finally:
         builder.finish()
     for plan in plans:
         _say(
-            f"{plan.gpu.name}: {len(plan.nvcc)} nvcc programs, {len(plan.cute_dsl)} CuTe-DSL"
-            " kernels"
+            f"{plan.gpu.name} ({'; '.join(plan.configs)}): {len(plan.nvcc)} nvcc programs,"
+            f" {len(plan.cute_dsl)} CuTe-DSL kernels"
         )
         for name in [*plan.nvcc, *plan.cute_dsl]:
             _say(f"  {name}")
+    total = len(builder.nvcc) + len(builder.cute_dsl)
+    _say(f"{total} programs in all ({len(builder.nvcc)} nvcc, {len(builder.cute_dsl)} CuTe-DSL)")
     if args.dry_run:
         return 0
     if builder.failed:
@@ -777,8 +842,8 @@ def run(args: argparse.Namespace) -> int:
         for line in stale:
             _say(f"NOT READY {line}")
         return 1
-    manifest = _write_manifest(iw, jit_dir, builder, plans, config)
-    selected = "" if not args.only else f" (of {len(builder.nvcc) + len(builder.cute_dsl)}: --only)"
+    manifest = _write_manifest(iw, jit_dir, builder, plans)
+    selected = "" if not args.only else f" (of {total}: --only)"
     _say(
         f"{len(builder.built)} programs built, {len(builder.present)} already there{selected},"
         f" in {time.perf_counter() - began:.1f}s; FlashInfer's start-up check finds every one"
