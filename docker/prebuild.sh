@@ -19,7 +19,7 @@
 #
 # Environment: PYTHON (default python3), PIP (default "$PYTHON -m pip"), VLLM_MINIMAX (default
 # "$PYTHON -m vllm_minimax"), FLASHINFER_WORKSPACE_BASE (required), PREBUILD_CONFIGS,
-# PREBUILD_KV_CACHE_DTYPES, PREBUILD_GPUS (defaults below).
+# PREBUILD_KV_CACHE_DTYPES, PREBUILD_GPUS (defaults below), CUDA_HOME and CXX (FlashInfer's).
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
@@ -54,6 +54,19 @@ fi
 if [ -z "$CONFIGS" ]; then
     echo "prebuild.sh: PREBUILD_CONFIGS is empty: nothing prebuilt"
     exit 0
+fi
+# FlashInfer links each program with -lcuda (flashinfer/jit/cpp_ext.py). `docker build` mounts
+# no driver: where neither the toolkit's stubs nor the system give the linker a libcuda.so, a
+# link-time stand-in with the driver's soname (libcuda.so.1) goes on LIBRARY_PATH, which the
+# linker searches and the build command FlashInfer compares at start does not name.
+CXX_COMPILER="${CXX:-c++}"
+cuda_home="${CUDA_HOME:-/usr/local/cuda}"
+if ! printf 'int main() { return 0; }\n' | "$CXX_COMPILER" -x c++ - -o /dev/null \
+    -L"$cuda_home/lib64" -L"$cuda_home/lib64/stubs" -lcuda 2>/dev/null; then
+    stub_dir="$(mktemp -d)"
+    printf '\n' | "$CXX_COMPILER" -x c++ - -shared -Wl,-soname,libcuda.so.1 -o "$stub_dir/libcuda.so"
+    export LIBRARY_PATH="$stub_dir${LIBRARY_PATH:+:$LIBRARY_PATH}"
+    echo "prebuild.sh: no libcuda.so to link against: a stand-in in $stub_dir (LIBRARY_PATH)"
 fi
 args=(warmup --prebuild --cache-dir "$BASE")
 for config in $CONFIGS; do

@@ -311,3 +311,34 @@ def test_dockerfile_prebuilds_into_the_cache_the_server_reads():
     dockerfile_default = re.search(r'^ARG PREBUILD_CONFIGS="(.*)"$', text, re.M)
     assert script_default and dockerfile_default
     assert script_default.group(1) == dockerfile_default.group(1)
+
+
+REPORT_ENV = """#!/bin/sh
+echo "LIBRARY_PATH=${LIBRARY_PATH:-}"
+"""
+
+
+@pytest.mark.parametrize("with_stubs", [False, True])
+def test_prebuild_step_gives_the_linker_a_libcuda_only_when_it_has_none(tmp_path, with_stubs):
+    """FlashInfer links with -lcuda; at `docker build` no driver is there. Without a libcuda.so
+    the step puts a stand-in with the driver's soname on LIBRARY_PATH; with the toolkit's stubs
+    it adds nothing."""
+    cuda_home = tmp_path / "cuda"
+    if with_stubs:
+        from vllm_minimax.testing.pypi_cuda import make_cuda_home
+
+        make_cuda_home(cuda_home)
+    report = tmp_path / "report-env"
+    report.write_text(REPORT_ENV)
+    report.chmod(0o755)
+    result = run_prebuild(
+        tmp_path, CUDA_HOME=str(cuda_home), VLLM_MINIMAX=str(report), LIBRARY_PATH=""
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("LIBRARY_PATH=")]
+    if with_stubs:
+        assert line == "LIBRARY_PATH="
+        return
+    stub = Path(line.removeprefix("LIBRARY_PATH=")) / "libcuda.so"
+    dynamic = subprocess.run(["readelf", "-d", str(stub)], capture_output=True, text=True).stdout
+    assert "Library soname: [libcuda.so.1]" in dynamic

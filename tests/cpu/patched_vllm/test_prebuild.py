@@ -26,9 +26,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("flashinfer.msa_ops.cake_hopper_sm90")
-
 from flashinfer.jit.cake_hopper_msa import ROUTES
 from flashinfer.msa_ops import cake_hopper_sm90
 from test_indexer_flashinfer_warmup import _geometry, _Recorder
@@ -158,6 +155,35 @@ def test_the_sparse_attention_reference_depends_on_the_sm_count():
     assert {uri.split("_sm90a_")[0] for uri in plan.nvcc} == _sparse_reference(
         geometry, H20.sm_count
     )
+
+
+H100_COLD_LOG = REPO / "results/h100/sparse-attention/engine/cold-flashinfer-graphs.log"
+
+
+def test_offline_plan_is_what_the_h100_engine_built_on_empty_caches():
+    """results/h100/sparse-attention's cold start (tiny model, TP-8 rank head group, fp8 KV
+    cache, empty caches) logged each FlashInfer program it built: 13 Cake programs and 21
+    CuTe-DSL kernels. Its two warm-up geometries, planned here offline, pick exactly those,
+    content digests included."""
+    import re
+
+    log = H100_COLD_LOG.read_text()
+    indexer = _geometry(1, 32768, 8192)
+    sparse = sa.SparseAttentionWarmupGeometry(
+        num_heads=8,
+        num_kv_heads=1,
+        scale=128**-0.5,
+        max_decode_query_len=1,
+        max_num_decodes=16,
+        max_num_batched_tokens=8192,
+        block_table_width=256,
+    )
+    assert f"[{indexer!r}]" in log and f"[{sparse!r}]" in log  # the engine's own geometries
+    built = set(re.findall(r"Building JIT module (\S+);", log))
+    built |= set(re.findall(r"Compiling CuTe-DSL kernel (\S+)", log))
+    plan = _plan(prebuild.GPU_TARGETS["h100"], indexer=indexer, sparse_attention=sparse)
+    assert (len(plan.nvcc), len(plan.cute_dsl)) == (13, 21)
+    assert {*plan.nvcc, *plan.cute_dsl} == built
 
 
 # --- the geometry the prebuild reads -------------------------------------------------------
