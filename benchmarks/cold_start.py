@@ -103,7 +103,7 @@ def prepare_home(work: Path, name: str, arm: str, prebuilt: Path | None) -> dict
     return env
 
 
-def _complete(base_url: str, model: str, prompt: str, max_tokens: int) -> None:
+def _complete(base_url: str, model: str, prompt: str, max_tokens: int) -> str:
     body = json.dumps(
         {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     ).encode()
@@ -111,23 +111,29 @@ def _complete(base_url: str, model: str, prompt: str, max_tokens: int) -> None:
         f"{base_url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(request, timeout=300) as response:
-        json.loads(response.read())
+        return str(json.loads(response.read())["choices"][0]["text"])
 
 
-def send_requests(base_url: str, model: str, concurrent: int) -> float:
-    """A short prompt, 2k and 8k words alone, then ``concurrent`` short prompts at once."""
+def send_requests(base_url: str, model: str, concurrent: int) -> tuple[float, list[str]]:
+    """A short prompt, 2k and 8k words alone, then ``concurrent`` short prompts at once;
+    the seconds it took and the greedy replies (the arms run the same programs, so their
+    replies should agree)."""
     began = time.monotonic()
-    for words, tokens in ((8, 16), (2000, 16), (8000, 8)):
+    replies = [
         _complete(base_url, model, " ".join(["hello"] * words), tokens)
-    threads = [
-        threading.Thread(target=_complete, args=(base_url, model, f"count {n}:", 32))
-        for n in range(concurrent)
+        for words, tokens in ((8, 16), (2000, 16), (8000, 8))
     ]
+    concurrent_replies = [""] * concurrent
+
+    def one(n: int) -> None:
+        concurrent_replies[n] = _complete(base_url, model, f"count {n}:", 32)
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in range(concurrent)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return time.monotonic() - began
+    return time.monotonic() - began, replies + concurrent_replies
 
 
 def parse_log(text: str) -> dict[str, Any]:
@@ -201,7 +207,9 @@ def run(args: argparse.Namespace) -> int:
         server.start()
         ready_at = time.time()
         result["ready_s"] = round(ready_at - launched, 1)
-        result["requests_s"] = round(send_requests(server.base_url, "cold-start", args.requests), 1)
+        seconds, replies = send_requests(server.base_url, "cold-start", args.requests)
+        result["requests_s"] = round(seconds, 1)
+        result["replies"] = replies
         server.check_alive()
     finally:
         server.stop()
@@ -260,6 +268,14 @@ def report(runs: Sequence[Path], out: Path) -> str:
         for row in rows
         if row.get("prebuilt_check")
     ]
+    empty = {row["name"]: row.get("replies") for row in rows if row["arm"] == "empty"}
+    for row in rows:
+        if row["arm"] != "empty" and empty.get(row["name"]) is not None:
+            same = row.get("replies") == empty[row["name"]]
+            notes.append(
+                f"- {row['name']} {row['arm']}: greedy replies"
+                f" {'the same as' if same else 'DIFFER from'} the empty arm's"
+            )
     text = "\n".join([*lines, "", *notes]) + "\n"
     out.write_text(text)
     return text

@@ -105,7 +105,8 @@ FAKE_SERVER = textwrap.dedent(
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             assert body["model"] == "cold-start"
             self.send_response(200); self.end_headers()
-            self.wfile.write(b'{"choices": [{"text": "x"}]}')
+            reply = {"choices": [{"text": body["prompt"][-2:]}]}
+            self.wfile.write(json.dumps(reply).encode())
         def log_message(self, *args):
             pass
 
@@ -141,6 +142,15 @@ def test_one_run_against_a_server_that_logs_as_vllm(tmp_path):
     log = out.with_suffix(".log").read_text()
     assert f"home {tmp_path / 'work' / 'home-tiny-empty'}" in log
 
-    table = cold_start.report([out], tmp_path / "report.md")
+    assert result["replies"] == ["lo", "lo", "lo", "0:", "1:", "2:"]
+
+    prebuilt = dict(result, arm="prebuilt")
+    differing = dict(result, arm="carried", replies=["other"])
+    for row in (prebuilt, differing):
+        (tmp_path / f"{row['arm']}.json").write_text(json.dumps(row))
+    runs = [out, tmp_path / "prebuilt.json", tmp_path / "carried.json"]
+    table = cold_start.report(runs, tmp_path / "report.md")
     assert "| tiny | empty |" in table
     assert "12 prebuilt FlashInfer programs" in table
+    assert "tiny prebuilt: greedy replies the same as the empty arm's" in table
+    assert "tiny carried: greedy replies DIFFER from the empty arm's" in table
