@@ -16,4 +16,16 @@ COPY . /opt/vllm-minimax
 # and a build failure unless flashinfer.msa_ops imports and `vllm-minimax status` is clean afterwards.
 RUN EXPECTED_VLLM_VERSION="${VLLM_IMAGE_TAG#v}" bash /opt/vllm-minimax/docker/build.sh
 
+# FlashInfer's MSA programs of the shipped SM90 configs, built here without a GPU
+# (`vllm-minimax warmup --prebuild`: nvcc and FlashInfer's CuTe-DSL compile; docs/warm-start.md)
+# into the cache the server reads, so a container compiles none of them at start. Also removes
+# the base image's FlashInfer kernel wheels of its own FlashInfer release, which 0.7.4 ignores.
+# --build-arg PREBUILD_CONFIGS= skips the programs; PREBUILD_GPUS picks the cards.
+ARG PREBUILD_CONFIGS="h100-8x h100-16x-2node h200-8x h200-8x-bf16"
+ARG PREBUILD_KV_CACHE_DTYPES="auto fp8"
+ARG PREBUILD_GPUS="h100 h200"
+ENV FLASHINFER_WORKSPACE_BASE=/opt/flashinfer
+RUN PREBUILD_CONFIGS="${PREBUILD_CONFIGS}" PREBUILD_KV_CACHE_DTYPES="${PREBUILD_KV_CACHE_DTYPES}" \
+    PREBUILD_GPUS="${PREBUILD_GPUS}" bash /opt/vllm-minimax/docker/prebuild.sh
+
 # No ENTRYPOINT or CMD here: the base image's `vllm serve` entrypoint is kept.

@@ -30,6 +30,7 @@ from vllm_minimax.patchset import (
     series_state,
     supported_versions,
 )
+from vllm_minimax.prebuild import GPU_TARGETS as GPU_TARGET_NAMES
 from vllm_minimax.serve_config import config_name_option, config_option
 from vllm_minimax.terminal import printable
 
@@ -309,14 +310,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     warmup_parser = commands.add_parser(
         "warmup",
-        help="prebuild FlashInfer's JIT cache for a serving config (on the serving GPU)",
+        help="prebuild FlashInfer's JIT cache for a serving config (on the serving GPU, or"
+        " with --prebuild on any machine with the CUDA compiler)",
     )
     warmup_parser.add_argument(
         "--config",
         type=config_name_option,
         required=True,
+        action="append",
         metavar="YAML_OR_NAME",
-        help="a vllm serve config file, or a shipped config's name (e.g. h200-8x)",
+        help="a vllm serve config file, or a shipped config's name (e.g. h200-8x); with"
+        " --prebuild, repeat it for several",
     )
     warmup_parser.add_argument(
         "--model",
@@ -330,6 +334,48 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="FLASHINFER_WORKSPACE_BASE to build into (default: $FLASHINFER_WORKSPACE_BASE,"
         " else the home directory); the cache lands in DIR/.cache/flashinfer",
+    )
+    prebuild = warmup_parser.add_argument_group(
+        "--prebuild",
+        "build without a GPU: FlashInfer picks each program as on the --gpu given, the CUDA"
+        " compiler builds it (docs/warm-start.md)",
+    )
+    prebuild.add_argument(
+        "--prebuild",
+        action="store_true",
+        help="build on this machine's CPU with the CUDA compiler, for SM90 (no GPU needed)",
+    )
+    prebuild.add_argument(
+        "--gpu",
+        action="append",
+        choices=sorted(GPU_TARGET_NAMES),
+        help="the SM90 GPU the server runs on (its SM count and vLLM's defaults for its"
+        " memory decide the programs); repeat for several; default: h100 and h200",
+    )
+    prebuild.add_argument(
+        "--kv-cache-dtype",
+        action="append",
+        default=None,
+        help="as vllm serve's --kv-cache-dtype, over the config's (fp8: also the sparse"
+        " attention's programs); repeat it for each dtype the server may run with",
+    )
+    prebuild.add_argument(
+        "--jobs",
+        type=bounded_int(1, 256),
+        default=None,
+        help="nvcc programs built at once (default: half the CPUs)",
+    )
+    prebuild.add_argument(
+        "--only",
+        metavar="GLOB",
+        action="append",
+        default=None,
+        help="build only the programs whose names match GLOB (repeatable; the rest are listed)",
+    )
+    prebuild.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the programs FlashInfer would build; build nothing",
     )
     warmup_parser.set_defaults(handler=run_warmup)
 
@@ -376,8 +422,26 @@ def positive_float(high: float) -> Callable[[str], float]:
 
 
 def run_warmup(args: argparse.Namespace) -> int:
+    if args.prebuild:
+        from vllm_minimax import prebuild
+
+        return prebuild.main(args)
+    if args.gpu or args.kv_cache_dtype or args.jobs or args.only or args.dry_run:
+        print(
+            "vllm-minimax warmup: error: --gpu, --kv-cache-dtype, --jobs, --only and --dry-run"
+            " go with --prebuild",
+            file=sys.stderr,
+        )
+        return 2
+    if len(args.config) > 1:
+        print(
+            "vllm-minimax warmup: error: one --config on the GPU (several go with --prebuild)",
+            file=sys.stderr,
+        )
+        return 2
     from vllm_minimax import warmup
 
+    args.config = args.config[0]
     return warmup.main(args)
 
 

@@ -18,6 +18,7 @@ from patchset_helpers import REPO_ROOT, installed_vllm_site, real_series_paths, 
 from vllm_minimax import devtree, patchset
 
 BUILD_SH = REPO_ROOT / "docker" / "build.sh"
+PREBUILD_SH = REPO_ROOT / "docker" / "prebuild.sh"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 DOCKERIGNORE = REPO_ROOT / ".dockerignore"
 # Where the image's `docker run` lines are documented.
@@ -246,6 +247,7 @@ def test_documented_image_config_paths_are_in_the_image():
             "shellcheck",
             [
                 str(BUILD_SH),
+                str(PREBUILD_SH),
                 *(str(REPO_ROOT / "scripts" / n) for n in ("smoke-gpu", "setup-cpu-server")),
             ],
         ),
@@ -258,3 +260,108 @@ def test_lint(tool, arguments):
         [str(executable), *arguments], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# Shipped serving configs for SM120 cards: FlashInfer 0.7.4 keeps no SM12x MSA kernel on disk,
+# so the image has nothing to prebuild for them.
+SM120_CONFIGS = {"rtx-pro-6000-4x", "rtx-pro-6000-8x"}
+
+
+def _fake_distribution(site: Path, name: str, version: str) -> None:
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def run_prebuild(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "PIP": "echo PIP",
+        "VLLM_MINIMAX": "echo VLLM_MINIMAX",
+        "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "flashinfer"),
+        **env,
+    }
+    for name in ("PREBUILD_CONFIGS", "PREBUILD_KV_CACHE_DTYPES", "PREBUILD_GPUS"):
+        if name not in env:
+            environment.pop(name, None)
+    return subprocess.run(
+        ["bash", str(PREBUILD_SH)], env=environment, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_prebuild_step_uninstalls_kernel_wheels_flashinfer_ignores(tmp_path):
+    """The base image's FlashInfer kernel wheels for its pinned 0.7.3 go; wheels of the
+    installed FlashInfer (0.7.4, with or without a CUDA suffix) stay."""
+    site = tmp_path / "site"
+    _fake_distribution(site, "flashinfer-cubin", "0.7.3")
+    _fake_distribution(site, "flashinfer-jit-cache", "0.7.3+cu130")
+    _fake_distribution(site, "flashinfer-jit-cache-sm90a", "0.7.3+cu130")
+    _fake_distribution(site, "flashinfer-jit-cache-sm100a", "0.7.4+cu130")
+    result = run_prebuild(tmp_path, PYTHONPATH=str(site), PREBUILD_CONFIGS="")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (
+        "PIP uninstall -y flashinfer-cubin flashinfer-jit-cache flashinfer-jit-cache-sm90a"
+        in result.stdout.splitlines()
+    )
+    assert "PREBUILD_CONFIGS is empty: nothing prebuilt" in result.stdout
+
+
+def test_prebuild_step_builds_the_sm90_configs_for_both_kv_caches_and_cards(tmp_path):
+    result = run_prebuild(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no FlashInfer kernel wheels of another release" in result.stdout
+    [command] = [line for line in result.stdout.splitlines() if line.startswith("VLLM_MINIMAX")]
+    arguments = command.split()[1:]
+    assert arguments[:4] == ["warmup", "--prebuild", "--cache-dir", str(tmp_path / "flashinfer")]
+    pairs = list(zip(arguments[4::2], arguments[5::2], strict=True))
+    shipped = {path.stem for path in (REPO_ROOT / "configs" / "serve").glob("*.yaml")}
+    assert {value for flag, value in pairs if flag == "--config"} == shipped - SM120_CONFIGS
+    assert [value for flag, value in pairs if flag == "--kv-cache-dtype"] == ["auto", "fp8"]
+    assert [value for flag, value in pairs if flag == "--gpu"] == ["h100", "h200"]
+    # Group 0 may write the cache (FlashInfer's locks), as the non-root `vllm` user needs.
+    assert (tmp_path / "flashinfer").stat().st_mode & 0o070 == 0o070
+
+
+def test_dockerfile_prebuilds_into_the_cache_the_server_reads():
+    text = DOCKERFILE.read_text()
+    assert re.search(r"^ENV FLASHINFER_WORKSPACE_BASE=/opt/flashinfer$", text, re.M)
+    build, prebuild = text.index("docker/build.sh"), text.index("docker/prebuild.sh")
+    assert build < prebuild  # FlashInfer 0.7.4 and the series first
+    script_default = re.search(
+        r'^CONFIGS="\$\{PREBUILD_CONFIGS-(.*)\}"$', PREBUILD_SH.read_text(), re.M
+    )
+    dockerfile_default = re.search(r'^ARG PREBUILD_CONFIGS="(.*)"$', text, re.M)
+    assert script_default and dockerfile_default
+    assert script_default.group(1) == dockerfile_default.group(1)
+
+
+REPORT_ENV = """#!/bin/sh
+echo "LIBRARY_PATH=${LIBRARY_PATH:-}"
+"""
+
+
+@pytest.mark.parametrize("with_stubs", [False, True])
+def test_prebuild_step_gives_the_linker_a_libcuda_only_when_it_has_none(tmp_path, with_stubs):
+    """FlashInfer links with -lcuda; at `docker build` no driver is there. Without a libcuda.so
+    the step puts a stand-in with the driver's soname on LIBRARY_PATH; with the toolkit's stubs
+    it adds nothing."""
+    cuda_home = tmp_path / "cuda"
+    if with_stubs:
+        from vllm_minimax.testing.pypi_cuda import make_cuda_home
+
+        make_cuda_home(cuda_home)
+    report = tmp_path / "report-env"
+    report.write_text(REPORT_ENV)
+    report.chmod(0o755)
+    result = run_prebuild(
+        tmp_path, CUDA_HOME=str(cuda_home), VLLM_MINIMAX=str(report), LIBRARY_PATH=""
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("LIBRARY_PATH=")]
+    if with_stubs:
+        assert line == "LIBRARY_PATH="
+        return
+    stub = Path(line.removeprefix("LIBRARY_PATH=")) / "libcuda.so"
+    dynamic = subprocess.run(["readelf", "-d", str(stub)], capture_output=True, text=True).stdout
+    assert "Library soname: [libcuda.so.1]" in dynamic

@@ -301,7 +301,9 @@ def test_commands_take_a_shipped_configs_name(argv: list[str]) -> None:
     from vllm_minimax import cli
 
     args = cli.build_parser().parse_args(argv)
-    assert args.config == REPO_ROOT / "configs" / "serve" / "h200-8x.yaml"
+    # warmup takes --config more than once (with --prebuild): a list of the files.
+    configs = args.config if isinstance(args.config, list) else [args.config]
+    assert configs == [REPO_ROOT / "configs" / "serve" / "h200-8x.yaml"]
 
 
 def test_a_bf16_kv_cache_off_sm90_names_no_key_that_would_bring_flashinfer(monkeypatch) -> None:
