@@ -255,6 +255,7 @@ def test_an_unreadable_patches_directory_is_one_line(
     assert scene.manifest() == scene.pristine
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_ctrl_c_while_the_program_starts_is_one_line(scene: RecordedSeries) -> None:
     """SIGINT at a sweep of moments from the start, imports included: never a traceback."""
     env = {
