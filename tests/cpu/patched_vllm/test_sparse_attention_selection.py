@@ -85,6 +85,29 @@ def test_selection_matrix(monkeypatch, cap, kv, heads, fi_state, override):
         assert selection.error is None, selection.error
         assert selection.impl == kind, selection
         assert selection.log is not None and fragment in selection.log, selection.log
+        if cap != (9, 0):
+            # FlashInfer's attend exists on 9.0 only: elsewhere the log (which doctor reads
+            # as a fallback when it names FlashInfer) says nothing of it.
+            assert "FlashInfer" not in selection.log, selection.log
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(17, 2), (33, 2), (25, 3), (12, 1)])
+@pytest.mark.parametrize("override", ["auto", "flashinfer"])
+def test_heads_that_do_not_divide_into_groups_of_8_or_16_are_refused(heads, kv_heads, override):
+    """A rank whose query heads are not a whole number of groups of 8 or 16 per KV head
+    (17 over 2 is 8.5): no FlashInfer, whatever the integer quotient."""
+    selection = select_sparse_attention(
+        kv_cache_dtype="fp8",
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        sparse_attention_backend=override,
+        capability=(9, 0),
+    )
+    if override == "flashinfer":
+        assert selection.error is not None and "groups of 8 or 16" in selection.error
+    else:
+        assert selection.impl == "MiniMaxM3SparseTritonImpl", selection
+        assert selection.log is not None and "groups of 8 or 16" in selection.log
 
 
 def _blocker(**overrides):
