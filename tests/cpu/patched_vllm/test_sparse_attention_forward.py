@@ -255,3 +255,69 @@ def test_a_cache_flashinfer_cannot_read_in_place_goes_to_triton_per_bound_cache(
             assert env.ops.calls == [], "FlashInfer read a cache whose pages are not dense"
             assert [kind for kind, _ in env.triton] == ["forward"]
             assert env.triton[0][1]["cache"] is cache
+
+
+class _BoundLayer:
+    """What the warm-up keeps of a sparse layer (weakly): its impl and bound cache."""
+
+    def __init__(self, impl, kv_cache: torch.Tensor) -> None:
+        self.impl = impl
+        self.kv_cache = kv_cache
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [0, 2])
+def test_the_warmup_launches_every_decode_query_length_the_engine_runs(
+    monkeypatch, caplog, num_speculative_tokens
+):
+    """vLLM's JIT warm-up registry, fed by the layer's registration, launches FlashInfer's
+    decode op once per decode query length a step can have (1, and 1 + k under MTP with k
+    speculative tokens), each with whole requests of that length, and the prefill op with a
+    table its allocation-free programs take. Its launches run on the CPU here (their device
+    replaced), against the recorded ops."""
+    import logging
+
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    fa = importlib.import_module(cases.FA_MODULE)
+    ops = RecordingMsaOps(compute=False)
+    install(monkeypatch, ops, fa)
+    real_launch = fa.run_warmup_launch
+
+    def on_cpu(*args, **kwargs):
+        def cpu(value):
+            return CPU if isinstance(value, torch.device) else value
+
+        return real_launch(*map(cpu, args), **{k: cpu(v) for k, v in kwargs.items()})
+
+    monkeypatch.setattr(fa, "run_warmup_launch", on_cpu)
+    monkeypatch.setattr(fa, "_JIT", fa._SparseAttentionJit())
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: None)
+    # What the registration reads of an engine's config (a CPU VllmConfig has no model).
+    config = SimpleNamespace(
+        kernel_config=SimpleNamespace(enable_jit_warmup=True),
+        speculative_config=SimpleNamespace(num_speculative_tokens=num_speculative_tokens),
+        model_config=SimpleNamespace(dtype=torch.bfloat16, max_model_len=40000),
+        scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+    )
+    shape = cases.StepShape(num_heads=16)
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        impl = cases.make_impl(
+            fa.MiniMaxM3SparseFlashInferImpl, shape, scale=SCALE, kv_cache_dtype="fp8"
+        )
+        layer = _BoundLayer(impl, torch.zeros(3, 1, 128, 256, dtype=torch.uint8))
+        registry = JitWarmupRegistry(vllm_config=config)
+        with registry.activate():
+            fa.register_sparse_attention_warmup(layer, config)
+        assert len(registry) == 1
+        with caplog.at_level(logging.WARNING):
+            fa.logger.propagate = True
+            registry.warmup()
+    assert "did not finish" not in caplog.text, caplog.text
+    decode = ops.of("decode")
+    assert {call.seqlen_q for call in decode} == set(range(1, 2 + num_speculative_tokens))
+    for call in decode:
+        assert call.q.shape[1] == 16 and call.softmax_scale == pytest.approx(SCALE)
+    assert ops.of("prefill"), "no prefill program was launched"
