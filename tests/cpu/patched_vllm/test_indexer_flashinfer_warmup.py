@@ -436,6 +436,61 @@ def test_a_warmup_that_cannot_be_planned_is_logged_at_registration(monkeypatch, 
     assert any("could not register" in r.getMessage() for r in caplog.records), caplog.text
 
 
+class _UnforeseenError(Exception):
+    """An error of a type no handler names (what a FlashInfer or CUDA release may raise)."""
+
+
+# One of each kind a warm-up meets or could: a full disk, a lock timeout, a CUDA error
+# (a RuntimeError), a changed signature, a missing key, a failed check, and a new type.
+WARMUP_ERRORS = {
+    "OSError": OSError(28, "No space left on device"),
+    "TimeoutError": TimeoutError("the JIT cache lock"),
+    "RuntimeError": RuntimeError("CUDA error: out of memory"),
+    "TypeError": TypeError("plan_topk_select() got an unexpected keyword argument"),
+    "KeyError": KeyError("sm90"),
+    "AssertionError": AssertionError("unexpected tile count"),
+    "_UnforeseenError": _UnforeseenError("something new"),
+}
+
+
+@pytest.mark.parametrize("step", ["register", "build"])
+@pytest.mark.parametrize("kind", list(WARMUP_ERRORS))
+def test_whatever_the_warmup_raises_is_logged_and_the_engine_goes_on(
+    monkeypatch, caplog, step, kind
+):
+    """At registration (model construction) and at the build (vLLM's warm-up before the
+    engine is ready), an error of any type is logged with its type and the start goes on:
+    the warm-up is an optimisation, never a reason for the engine not to start."""
+    import logging
+
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    # The message carries the test's parameters: warning_once logs each message once.
+    error = type(WARMUP_ERRORS[kind])(*WARMUP_ERRORS[kind].args, f"[{step}-{kind}]")
+
+    def raises(*args, **kwargs):
+        raise error
+
+    if step == "register":
+        monkeypatch.setattr(warmup, "current_device_facts", raises)
+    else:
+        monkeypatch.setattr(warmup, "current_device_facts", lambda: ("sm90", H200_SMS))
+        monkeypatch.setattr(warmup, "build_indexer_flashinfer_programs", raises)
+    monkeypatch.setattr(warmup._JIT, "_compiled_cache", {})
+    config = _engine_config("fp8")
+    registry = JitWarmupRegistry(vllm_config=config)
+    with registry.activate(), caplog.at_level(logging.WARNING):
+        warmup.register_indexer_flashinfer_warmup(_flashinfer_impl(), config)
+        assert len(registry) == (0 if step == "register" else 1)
+        registry.warmup()
+    (record,) = [r for r in caplog.records if "warm-up skipped" in r.getMessage()]
+    message = record.getMessage()
+    assert f"could not {step}" in message and f"({kind}: " in message, message
+    assert f"[{step}-{kind}]" in message, message
+    if step == "build":
+        assert list(warmup._JIT._compiled_cache.values()) == [[]]
+
+
 # ---------------------------------------------------------------------------
 # A kept program list is used only when it is one the warm-up wrote.
 # ---------------------------------------------------------------------------
