@@ -4,6 +4,7 @@ synthetic patch series. Helpers live in patchset_helpers.py."""
 from __future__ import annotations
 
 import shutil
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -148,3 +149,17 @@ def make_recorded_series(
 def _real_patches_by_default(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("VLLM_MINIMAX_PATCHES", raising=False)
     yield
+
+
+@pytest.fixture
+def sigint_raises() -> Iterator[None]:
+    """Ctrl-C as an interactive terminal delivers it, for the tests that send SIGINT: Python's
+    KeyboardInterrupt handler in this process and, since a caught signal is reset on exec, the
+    default disposition in every process it starts (whose Python then installs its own
+    handler). A shell starts a background job with SIGINT ignored, and an ignored SIGINT is
+    inherited; without this, those tests fail when the suite runs as one."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)

@@ -100,6 +100,20 @@ def test_rounds_of_one_run_pair_by_round_and_itl_is_reported(tmp_path):
     assert "triton ITL p50 ms" in (tmp_path / "out" / "repeats.md").read_text()
 
 
+def test_ran_at_once_max_is_each_levels_max(tmp_path):
+    """The 'ran at once max' figure pools each level's max of requests running at once, not
+    its median (a level ramps up: its median is lower)."""
+    run = _run(["triton", "flashinfer"], {"triton": 800.0, "flashinfer": 880.0})
+    for arm, peak in zip(run["arms"], (18.0, 30.0), strict=True):
+        (level,) = arm["throughput"]["scenarios"][0]["levels"]
+        level["running_requests"] = {"max": peak, "median": peak / 3, "waiting_max": 0.0}
+    (tmp_path / "ab.json").write_text(json.dumps(run))
+    assert ab_repeats.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    (point,) = json.loads((tmp_path / "out" / "repeats.json").read_text())["points"]
+    assert point["arms"]["triton"]["ran at once max"]["median"] == 18.0
+    assert point["arms"]["flashinfer"]["ran at once max"]["median"] == 30.0
+
+
 def test_latency_ratios_pair_within_each_round(tmp_path):
     """ITL and TTFT ratios come from one round's two arms; a round where one arm has no ITL
     gives no ITL ratio."""

@@ -623,6 +623,7 @@ def test_silent_lm_eval_gets_a_heartbeat(tmp_path, capsys, monkeypatch):
     assert len(beats) >= 2 and beats[-1][1] == "loading tasks"
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_ctrl_c_during_ab_stops_the_server(tmp_path):
     """SIGINT to `eval ab` while its server starts: exit 130, the server's group is gone."""
     stand_in = f"{sys.executable} -c 'import time; time.sleep(300)'"
@@ -711,6 +712,7 @@ def test_sigkill_of_the_client_does_not_orphan_the_server(tmp_path):
     assert wait_group_gone(pgid, 30) < 15
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_second_ctrl_c_while_stopping_kills_the_server_at_once(tmp_path):
     # A server that ignores SIGTERM: the first Ctrl-C starts a 30 s graceful stop.
     stubborn = (

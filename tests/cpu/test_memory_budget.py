@@ -201,6 +201,24 @@ def test_the_reserve_counts_against_the_card(tmp_path):
     assert not grown.fits
 
 
+def test_the_configs_kv_cache_dtype_is_read(tmp_path):
+    """No shipped config sets kv-cache-dtype (bf16 KV); one that asks for fp8 stores K and V
+    at one byte an element: each token costs one byte less per element of its K and V rows
+    on every attention and MTP layer (one KV head a rank at TP 8), the index keys unchanged."""
+    h100 = (CONFIG_DIR / "h100-8x.yaml").read_text()
+    assert re.search(r"(?m)^kv-cache-dtype:", h100) is None
+    bf16 = check_serving_config(CONFIG_DIR / "h100-8x.yaml")
+    planted = tmp_path / "h100-8x.yaml"
+    planted.write_text(h100 + "\nkv-cache-dtype: fp8\n")
+    fp8 = check_serving_config(planted)
+    layers = M3_TEXT_CONFIG["num_hidden_layers"] + bf16.budget.mtp_modules
+    k_and_v = layers * 1 * M3_TEXT_CONFIG["head_dim"] * 2
+    assert bf16.kv_bytes_per_token - fp8.kv_bytes_per_token == k_and_v
+    assert fp8.kv_gib == pytest.approx(
+        bf16.kv_gib * fp8.kv_bytes_per_token / bf16.kv_bytes_per_token
+    )
+
+
 def test_a_lower_gpu_memory_utilization_is_read(tmp_path):
     h100 = (CONFIG_DIR / "h100-8x.yaml").read_text()
     planted = tmp_path / "h100-8x.yaml"

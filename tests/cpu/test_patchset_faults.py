@@ -267,6 +267,7 @@ def test_disk_full_from_a_step_on(
     assert part_way > 0, "no step left the tree part-way; the test exercised no recovery"
 
 
+@pytest.mark.usefixtures("sigint_raises")
 @pytest.mark.parametrize("action", [keyboard_interrupt, sigint], ids=["raised", "SIGINT"])
 @pytest.mark.parametrize("command", ["apply", "revert"])
 def test_ctrl_c_at_every_step_rolls_back(

@@ -255,6 +255,7 @@ def test_an_unreadable_patches_directory_is_one_line(
     assert scene.manifest() == scene.pristine
 
 
+@pytest.mark.usefixtures("sigint_raises")
 def test_ctrl_c_while_the_program_starts_is_one_line(scene: RecordedSeries) -> None:
     """SIGINT at a sweep of moments from the start, imports included: never a traceback."""
     env = {
@@ -397,6 +398,92 @@ def test_every_new_file_is_fsynced_before_its_rename(
     assert code == 0, err
     assert renamed, f"{command} renamed nothing into the target"
     assert [path for path, was_synced in renamed if not was_synced] == []
+
+
+class SyncLog:
+    """Every rename into ``root`` (its destination directory) and every fsync, in order."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+        self.events: list[tuple[str, str]] = []
+        real_fsync, real_replace = os.fsync, os.replace
+
+        def fsync(descriptor: int) -> None:
+            real_fsync(descriptor)
+            self.events.append(("fsync", fd_path(descriptor)))
+
+        def replace(source: Any, destination: Any, **kwargs: Any) -> None:
+            real_replace(source, destination, **kwargs)
+            path = named_path(destination, kwargs.get("dst_dir_fd"))
+            if path.startswith(str(root)):
+                self.events.append(("rename", os.path.dirname(path)))
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "replace", replace)
+
+    def unsynced_renames(self) -> list[str]:
+        """Directories a rename went into with no fsync of that directory after it."""
+        return [
+            directory
+            for at, (kind, directory) in enumerate(self.events)
+            if kind == "rename" and ("fsync", directory) not in self.events[at + 1 :]
+        ]
+
+
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_every_directory_a_rename_went_into_is_fsynced_after_it(
+    scene: RecordedSeries,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+) -> None:
+    """A rename is durable once its directory is synced: without that fsync, a crash can
+    bring back the old file (or no state file) although the command reported success."""
+    if command == "revert":
+        assert main(["apply", "--target", str(scene.target)]) == 0
+    log = SyncLog(monkeypatch, scene.target)
+    code, _, err = run([command, "--target", str(scene.target)], capsys)
+    assert code == 0, err
+    assert any(kind == "rename" for kind, _ in log.events), f"{command} renamed nothing"
+    assert log.unsynced_renames() == []
+
+
+def test_a_file_written_atomically_has_its_directory_fsynced(
+    scene: RecordedSeries, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a rollback restores a file with (`TargetTree.write_atomically`) is durable too."""
+    from vllm_minimax.patchset.tree import TargetTree
+
+    log = SyncLog(monkeypatch, scene.target)
+    with TargetTree(scene.target) as tree:
+        tree.write_atomically("vllm/alpha.py", b"restored\n", 0o644)
+    assert (scene.target / "vllm/alpha.py").read_bytes() == b"restored\n"
+    assert [kind for kind, _ in log.events].count("rename") == 1
+    assert log.unsynced_renames() == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root writes files of another owner")
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_a_replaced_file_keeps_its_owner_and_a_new_one_takes_its_directorys(
+    scene: RecordedSeries, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """Run as root over a tree someone else owns (a site-packages of another user, files of
+    yet others): each file the command replaces keeps its own owner and group, and the file it
+    creates (the state file) takes those of its directory, never root's."""
+    if command == "revert":
+        assert main(["apply", "--target", str(scene.target)]) == 0
+    owners = {"vllm": (4001, 4002), "vllm/alpha.py": (4101, 4102), "vllm/beta.py": (4201, 4202)}
+    for relative, (uid, gid) in owners.items():
+        os.chown(scene.target / relative, uid, gid)
+    code, _, err = run([command, "--target", str(scene.target)], capsys)
+    assert code == 0, err
+    for relative, owner in owners.items():
+        info = (scene.target / relative).stat()
+        assert (info.st_uid, info.st_gid) == owner, relative
+    state = scene.target / STATE_FILE
+    if command == "apply":
+        assert (state.stat().st_uid, state.stat().st_gid) == owners["vllm"]
+    else:
+        assert not state.exists()
 
 
 def test_revert_that_wrote_wrong_bytes_rolls_back(

@@ -43,6 +43,9 @@ def test_the_kv_cache_line_gives_tokens_and_concurrency(tmp_path):
     log.write_text("INFO CPU KV cache size: 9,984 tokens, Maximum concurrency for 1,024 tokens"
                    " per request: 9.75x\n")  # fmt: skip
     assert logged_kv_cache(log).tokens == 9984
+    # A log holding two starts (a server restarted into the same file): the last one counts.
+    log.write_text(KV_LINE + "INFO restarting\n" + KV_LINE.replace("2,236,416", "1,023,744"))
+    assert logged_kv_cache(log).tokens == 1023744
     log.write_text("INFO no cache yet\n")
     assert logged_kv_cache(log) is None
     assert logged_kv_cache(tmp_path / "missing.log") is None
@@ -101,6 +104,13 @@ def test_the_sampler_gives_max_and_median_over_the_busy_samples():
     busy_only.samples = [(0.0, 0.0), (2.0, 0.0), (4.0, 0.0), (4.0, 0.0), (0.0, 0.0)]
     assert busy_only.summary() == {
         "max": 4.0, "median": 4.0, "waiting_max": 0.0, "samples": 3, "interval_s": 0.5,
+    }  # fmt: skip
+    # Requests waiting while none runs (the engine busy with a prefill's first chunk, or
+    # stalled) is a busy sample too: it counts, and so does what waited.
+    waiting = RunningSampler("http://127.0.0.1:1")
+    waiting.samples = [(0.0, 0.0), (0.0, 5.0), (2.0, 0.0), (4.0, 1.0), (0.0, 0.0)]
+    assert waiting.summary() == {
+        "max": 4.0, "median": 2.0, "waiting_max": 5.0, "samples": 3, "interval_s": 0.5,
     }  # fmt: skip
     # No /metrics: no samples, no summary, no failure.
     with RunningSampler("http://127.0.0.1:1", interval_s=0.01) as unreachable:

@@ -7,8 +7,9 @@ tables whose unused entries point at live pages of other requests), the
 indexer's top-k (ascending, `-1` padded, the current and the first block always
 chosen) and bf16 queries. `reference_attention` is float32 torch over the same
 inputs; `run_impl` drives a patched impl's `forward` with metadata from the
-impl's own builder. GPU only (tests/gpu_e2e, benchmarks); needs the series
-applied to the vLLM this Python imports.
+impl's own builder. Used on a GPU (tests/gpu_e2e, benchmarks) and on the CPU with
+FlashInfer's ops recorded (tests/cpu/patched_vllm/test_sparse_attention_forward.py);
+needs the series applied to the vLLM this Python imports.
 """
 
 from __future__ import annotations

@@ -234,7 +234,25 @@ def test_the_sparse_attention_row_follows_the_kv_cache_dtype(doctor_run):
         "16",
     )
     assert code == doctor.EXIT_FALLBACK, out
-    assert "groups of 8 or 16" in rows(out)["sparse attention"], out
+    row = rows(out)["sparse attention"]
+    assert "groups of 8 or 16" in row, out
+    # The change that brings FlashInfer back is the tensor parallelism, not the backend key.
+    assert "| change: tensor-parallel-size" in row, out
+
+
+@pytest.mark.usefixtures("flashinfer_can_jit")
+def test_a_forced_triton_sparse_attention_is_as_configured(doctor_run, tmp_path):
+    """An fp8 KV cache on 9.0 with the sparse attention forced to Triton: the config asks
+    for what runs, so the row is ready (exit 0), not a fallback to change."""
+    config = tmp_path / "forced-triton.yaml"
+    config.write_text(
+        "tensor-parallel-size: 8\nkv-cache-dtype: fp8\nattention-config:\n"
+        f"  indexer_kv_dtype: fp8\n  {probe.SPARSE_ATTENTION_KEY}: triton\n"
+    )
+    code, out = doctor_run("--config", str(config), "--capability", "9.0")
+    assert code == doctor.EXIT_READY, out
+    row = rows(out)["sparse attention"]
+    assert row.startswith("Triton: ") and "change:" not in row, out
 
 
 def test_an_sm100_gpu_gets_vllms_own_msa_indexer(doctor_run):

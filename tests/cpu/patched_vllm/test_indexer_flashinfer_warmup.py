@@ -271,6 +271,78 @@ def test_either_fp8_spelling_warms_the_fp8_programs(spelling, monkeypatch):
     assert engine_geometry.kv_fp8
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
+def test_the_warmup_commands_geometry_is_a_rank_of_the_configs_tensor_parallel_size(
+    tp, monkeypatch
+):
+    """`vllm-minimax warmup` builds the engine config for one GPU (TP 1) and prepares the
+    programs of a rank of the config's TP: the geometry it computes with that TP as the
+    override is the one each rank's model registers (its index heads per rank)."""
+    import vllm.models.minimax_m3.nvidia.indexer_flashinfer_gate as gate
+    from vllm.models.minimax_m3.nvidia import indexer_flashinfer
+
+    from vllm_minimax import warmup as cli_warmup
+    from vllm_minimax.probe import platform_override, simulated_cuda_platform
+
+    monkeypatch.setattr(warmup, "current_device_facts", lambda: ("sm90", H200_SMS))
+    monkeypatch.setattr(gate, "flashinfer_msa_indexer_unavailable", lambda: None)
+    one_gpu = _engine_config("fp8")
+    one_gpu.parallel_config.tensor_parallel_size = 1
+    with platform_override(simulated_cuda_platform((9, 0))):
+        geometry, reason = cli_warmup.engine_indexer_flashinfer_geometry(
+            one_gpu, tensor_parallel_size=tp
+        )
+    assert reason is None and geometry is not None
+    rank = _engine_config("fp8")
+    rank.parallel_config.tensor_parallel_size = tp
+    registered: list[dict] = []
+    monkeypatch.setattr(warmup._JIT, "register_warmup", lambda **fields: registered.append(fields))
+    impl = object.__new__(indexer_flashinfer.MiniMaxM3IndexerFlashInferImpl)
+    # MiniMax M3's 4 index heads over the ranks, as the indexer divides them.
+    impl.num_index_heads, impl.indexer_kv_dtype = max(1, 4 // tp), "fp8"
+    warmup.register_indexer_flashinfer_warmup(impl, rank)
+    assert geometry == warmup.IndexerFlashInferGeometry(**registered[0])
+
+
+@pytest.mark.parametrize(("name", "tp"), [("h200-8x", 8), ("rtx-pro-6000-4x", 4)])
+def test_the_warmup_command_passes_the_configs_tensor_parallel_size_on(
+    name, tp, tmp_path, monkeypatch, capsys
+):
+    """`vllm-minimax warmup --config NAME` on one GPU: vLLM's engine config is built for one
+    rank (TP, PP and DP 1, which one GPU can hold), and the geometry is asked for a rank of
+    the config's own tensor parallelism (a shipped config, parsed by vLLM's parser)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    from vllm_minimax import cli
+    from vllm_minimax import warmup as cli_warmup
+
+    monkeypatch.setattr(current_platform, "device_type", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv(cli_warmup.WORKSPACE_ENV, str(tmp_path))
+    built: list[tuple[int, int, int]] = []
+
+    def create_engine_config(self, *args, **kwargs):
+        built.append(
+            (self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
+        )
+        return SimpleNamespace()
+
+    asked: list[int | None] = []
+
+    def geometry(vllm_config, tensor_parallel_size=None):
+        asked.append(tensor_parallel_size)
+        return None, "stopped by the test"
+
+    monkeypatch.setattr(EngineArgs, "create_engine_config", create_engine_config)
+    monkeypatch.setattr(cli_warmup, "engine_indexer_flashinfer_geometry", geometry)
+    code = cli.main(["warmup", "--config", name, "--cache-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "stopped by the test" in err, err
+    assert built == [(1, 1, 1)]
+    assert asked == [tp]
+
+
 def test_program_list_is_kept_beside_the_jit_cache(tmp_path, monkeypatch):
     from flashinfer.jit import env as jit_env
 
@@ -434,6 +506,61 @@ def test_a_warmup_that_cannot_be_planned_is_logged_at_registration(monkeypatch, 
         warmup.register_indexer_flashinfer_warmup(_flashinfer_impl(), _engine_config("fp8"))
     assert len(registry) == 0
     assert any("could not register" in r.getMessage() for r in caplog.records), caplog.text
+
+
+class _UnforeseenError(Exception):
+    """An error of a type no handler names (what a FlashInfer or CUDA release may raise)."""
+
+
+# One of each kind a warm-up meets or could: a full disk, a lock timeout, a CUDA error
+# (a RuntimeError), a changed signature, a missing key, a failed check, and a new type.
+WARMUP_ERRORS = {
+    "OSError": OSError(28, "No space left on device"),
+    "TimeoutError": TimeoutError("the JIT cache lock"),
+    "RuntimeError": RuntimeError("CUDA error: out of memory"),
+    "TypeError": TypeError("plan_topk_select() got an unexpected keyword argument"),
+    "KeyError": KeyError("sm90"),
+    "AssertionError": AssertionError("unexpected tile count"),
+    "_UnforeseenError": _UnforeseenError("something new"),
+}
+
+
+@pytest.mark.parametrize("step", ["register", "build"])
+@pytest.mark.parametrize("kind", list(WARMUP_ERRORS))
+def test_whatever_the_warmup_raises_is_logged_and_the_engine_goes_on(
+    monkeypatch, caplog, step, kind
+):
+    """At registration (model construction) and at the build (vLLM's warm-up before the
+    engine is ready), an error of any type is logged with its type and the start goes on:
+    the warm-up is an optimisation, never a reason for the engine not to start."""
+    import logging
+
+    from vllm.model_executor.warmup.jit_warmup import JitWarmupRegistry
+
+    # The message carries the test's parameters: warning_once logs each message once.
+    error = type(WARMUP_ERRORS[kind])(*WARMUP_ERRORS[kind].args, f"[{step}-{kind}]")
+
+    def raises(*args, **kwargs):
+        raise error
+
+    if step == "register":
+        monkeypatch.setattr(warmup, "current_device_facts", raises)
+    else:
+        monkeypatch.setattr(warmup, "current_device_facts", lambda: ("sm90", H200_SMS))
+        monkeypatch.setattr(warmup, "build_indexer_flashinfer_programs", raises)
+    monkeypatch.setattr(warmup._JIT, "_compiled_cache", {})
+    config = _engine_config("fp8")
+    registry = JitWarmupRegistry(vllm_config=config)
+    with registry.activate(), caplog.at_level(logging.WARNING):
+        warmup.register_indexer_flashinfer_warmup(_flashinfer_impl(), config)
+        assert len(registry) == (0 if step == "register" else 1)
+        registry.warmup()
+    (record,) = [r for r in caplog.records if "warm-up skipped" in r.getMessage()]
+    message = record.getMessage()
+    assert f"could not {step}" in message and f"({kind}: " in message, message
+    assert f"[{step}-{kind}]" in message, message
+    if step == "build":
+        assert list(warmup._JIT._compiled_cache.values()) == [[]]
 
 
 # ---------------------------------------------------------------------------

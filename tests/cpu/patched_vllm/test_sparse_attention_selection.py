@@ -85,6 +85,29 @@ def test_selection_matrix(monkeypatch, cap, kv, heads, fi_state, override):
         assert selection.error is None, selection.error
         assert selection.impl == kind, selection
         assert selection.log is not None and fragment in selection.log, selection.log
+        if cap != (9, 0):
+            # FlashInfer's attend exists on 9.0 only: elsewhere the log (which doctor reads
+            # as a fallback when it names FlashInfer) says nothing of it.
+            assert "FlashInfer" not in selection.log, selection.log
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(17, 2), (33, 2), (25, 3), (12, 1)])
+@pytest.mark.parametrize("override", ["auto", "flashinfer"])
+def test_heads_that_do_not_divide_into_groups_of_8_or_16_are_refused(heads, kv_heads, override):
+    """A rank whose query heads are not a whole number of groups of 8 or 16 per KV head
+    (17 over 2 is 8.5): no FlashInfer, whatever the integer quotient."""
+    selection = select_sparse_attention(
+        kv_cache_dtype="fp8",
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        sparse_attention_backend=override,
+        capability=(9, 0),
+    )
+    if override == "flashinfer":
+        assert selection.error is not None and "groups of 8 or 16" in selection.error
+    else:
+        assert selection.impl == "MiniMaxM3SparseTritonImpl", selection
+        assert selection.log is not None and "groups of 8 or 16" in selection.log
 
 
 def _blocker(**overrides):
@@ -607,3 +630,67 @@ def test_out_of_memory_in_the_warmup_stops_the_engine_naming_the_settings(monkey
     assert "--max-num-seqs" in message and "num_speculative_tokens" in message
     assert "1024 sequences" in message and "4 query tokens" in message
     assert isinstance(raised.value.__cause__, torch.OutOfMemoryError)
+
+
+@pytest.fixture(scope="module")
+def m3_heads_model_config(tmp_path_factory):
+    """vLLM's ModelConfig of MiniMax M3's attention geometry (64 query heads, 4 KV heads),
+    parsed by the vLLM under test from a checkpoint written for it."""
+    import vllm
+    from vllm.config import ModelConfig
+
+    from vllm_minimax import tiny_model
+
+    directory = tmp_path_factory.mktemp("m3-heads-config")
+    tiny_model.write_tiny_config_files(
+        directory, config_layout=vllm.__version__, text_config=tiny_model.M3_HEADS_TEXT_CONFIG
+    )
+    return ModelConfig(model=str(directory), tokenizer=str(directory), dtype="bfloat16")
+
+
+class _SelectionReached(Exception):
+    pass
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8, 16])
+def test_the_layer_asks_the_selection_for_its_ranks_query_and_kv_heads(
+    monkeypatch, m3_heads_model_config, tp
+):
+    """MiniMax M3's sparse attention layer (`nvidia/model.py`), built up to its attend
+    selection on a rank of TP `tp`: the selection gets that rank's query heads and KV heads
+    (what the group rule of 8 or 16 query heads per KV head is about), the head dim, the
+    sparse block and the model dtype. The projections, norms and rotary embedding the layer
+    builds first are stand-ins (they need a distributed group); the selection records its
+    arguments and stops the construction."""
+    from torch import nn
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.models.minimax_m3.nvidia import model as m3_model
+
+    asked: dict = {}
+
+    def select(**kwargs):
+        asked.update(kwargs)
+        raise _SelectionReached
+
+    def stand_in(*args, **kwargs):
+        return nn.Identity()
+
+    monkeypatch.setattr(m3_model, "select_main_backend_and_impl_cls", select)
+    monkeypatch.setattr(m3_model, "get_tensor_model_parallel_world_size", lambda: tp)
+    for name in ("MinimaxM3QKVParallelLinearWithIndexer", "RowParallelLinear", "get_rope"):
+        monkeypatch.setattr(m3_model, name, stand_in)
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    config.model_config = m3_heads_model_config
+    with set_current_vllm_config(config), pytest.raises(_SelectionReached):
+        m3_model.MiniMaxM3SparseAttention(
+            m3_heads_model_config.hf_text_config,
+            layer_id=1,
+            prefix="model.layers.1.self_attn",
+            cache_config=CacheConfig(cache_dtype="fp8"),
+        )
+    assert asked["num_heads"] == 64 // tp
+    assert asked["num_kv_heads"] == max(1, 4 // tp)
+    assert asked["head_size"] == 128
+    assert asked["sparse_block_size"] == 128 and asked["topk_blocks"] == 16
+    assert asked["kv_cache_dtype"] == "fp8"
+    assert asked["model_dtype"] == torch.bfloat16
