@@ -50,6 +50,7 @@ SCRIPTS = {
     "gpu-sparse-attention": (["no-such-phase"], 2, "unknown phase no-such-phase"),
     "gpu-tp": (["serve", "no-such.yaml"], 2, "no configs/serve/no-such.yaml"),
     "gpu-rank-slice": (["facts"], 0, "phase facts took"),
+    "gpu-cold-start": (["no-such-phase"], 2, "unknown phase no-such-phase"),
 }
 
 

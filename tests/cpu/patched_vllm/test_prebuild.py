@@ -316,6 +316,21 @@ def test_a_prebuild_of_another_cuda_is_removed_and_rebuilt(cache, caplog):
     assert "2 nvcc programs removed" in caplog.text
 
 
+def test_the_first_sparse_layer_checks_the_prebuild_before_any_program_loads(cache, monkeypatch):
+    """The sparse attention launches its programs while the model is built (patch 0007), so
+    the check runs when the first sparse layer registers its warm-ups, whatever indexer it
+    has, and only then."""
+    monkeypatch.setattr(iw, "_prebuilt_checked", False)
+    monkeypatch.setattr(iw, "_prebuild_environment", lambda: HERE)
+    stale = {"home": "/usr/local/cuda", "version": "12.8"}
+    _, programs = _prebuilt(cache, cuda=stale)
+    iw.register_indexer_flashinfer_warmup(object(), vllm_config=None)  # a Triton indexer
+    assert not any(program.exists() for program in programs)
+    _, programs = _prebuilt(cache, cuda=stale)
+    iw.register_indexer_flashinfer_warmup(object(), vllm_config=None)
+    assert all(program.is_dir() for program in programs)  # once per process
+
+
 def test_a_prebuild_of_another_cute_dsl_stack_is_left_to_flashinfer(cache, caplog):
     manifest, programs = _prebuilt(cache, cute_dsl="stack-b")
     with caplog.at_level(logging.INFO):
