@@ -1,6 +1,7 @@
 """The engine comparison of the FlashInfer sparse attend, re-checked on the H100
-runs committed under results/h100/sparse-attention/engine, and shown to fail
-when a FlashInfer run is replaced by the control (a bf16-cache run)."""
+runs committed under results/h100/sparse-attention-review/engine, and shown to fail
+when a FlashInfer run is replaced by the control (a bf16-cache run) or when a kernel
+of the series compiles after the engine was ready."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from vllm_minimax.testing.engine_runs import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-SAVED = ROOT / "results" / "h100" / "sparse-attention" / "engine"
+SAVED = ROOT / "results" / "h100" / "sparse-attention-review" / "engine"
 TEST = ROOT / "tests" / "gpu_e2e" / "test_sparse_attention_engine.py"
 
 
@@ -41,7 +42,41 @@ def _pytest(
 def test_committed_runs_pass_the_engine_checks():
     result = _pytest(SAVED)
     assert result.returncode == 0, result.stdout[-2000:]
-    assert "4 passed" in result.stdout
+    assert "8 passed" in result.stdout
+
+
+def _saved_runs(directory: Path, **changes: dict) -> Path:
+    """The committed runs in `directory`, each run named in `changes` updated with its dict
+    (a key set to None is removed)."""
+    for path in SAVED.glob("*.json.gz"):
+        name = path.name.removesuffix(".json.gz")
+        run = {**load_run(SAVED, name), **changes.get(name, {})}
+        run = {key: value for key, value in run.items() if value is not None}
+        (directory / f"{name}.json").write_text(json.dumps(run))
+    return directory
+
+
+# A kernel of the series that a missed warm-up would compile on the first decode.
+SERIES_KERNEL_AFTER_READY = {
+    "event": "Triton kernel JIT compilation",
+    "kernel": "_sparse_attn_decode_kernel",
+}
+
+
+def test_the_engine_checks_fail_a_kernel_of_the_series_compiled_after_ready(tmp_path):
+    stock = load_run(SAVED, "triton-graphs")["jit_compiled_after_ready"]
+    assert [event["kernel"] for event in stock] == ["_topk_log_softmax_kernel"]
+    late = {"jit_compiled_after_ready": [*stock, SERIES_KERNEL_AFTER_READY]}
+    result = _pytest(_saved_runs(tmp_path, **{"triton-graphs": late}))
+    assert result.returncode != 0
+    assert "1 failed" in result.stdout and "_sparse_attn_decode_kernel" in result.stdout
+
+
+def test_the_engine_checks_fail_a_run_without_the_jit_record(tmp_path):
+    unrecorded = {"jit_compiled_after_ready": None}
+    result = _pytest(_saved_runs(tmp_path, **{"flashinfer-graphs": unrecorded}))
+    assert result.returncode != 0
+    assert "1 failed" in result.stdout and "recorded no JIT monitor events" in result.stdout
 
 
 def test_a_flashinfer_run_replaced_by_the_control_fails(tmp_path):
@@ -110,7 +145,19 @@ def _pytest_layout(runs: Path) -> subprocess.CompletedProcess[str]:
 def test_the_layout_checks_pass_runs_of_the_expected_kind(tmp_path):
     result = _pytest_layout(_layout_runs(tmp_path))
     assert result.returncode == 0, result.stdout[-2000:]
-    assert "7 passed" in result.stdout
+    assert "10 passed" in result.stdout
+
+
+def test_the_layout_checks_fail_a_triton_decode_compiled_after_ready(tmp_path):
+    """The NHD run's Triton attend needs its decode kernels built by the warm-up."""
+    runs = _layout_runs(tmp_path)
+    path = runs / "gqa2-nhd-auto-graphs.json"
+    run = json.loads(path.read_text())
+    run["jit_compiled_after_ready"] = [SERIES_KERNEL_AFTER_READY]
+    path.write_text(json.dumps(run))
+    result = _pytest_layout(runs)
+    assert result.returncode != 0
+    assert "1 failed" in result.stdout and "gqa2-nhd-auto-graphs" in result.stdout
 
 
 def test_the_layout_checks_fail_a_flashinfer_run_on_interleaved_pages(tmp_path):

@@ -7,6 +7,10 @@ directory of `<run>.json`; GPU runs, checked here on any machine):
 - ``triton-bf16-graphs``: the control, a bf16 KV cache with Triton;
 - ``flashinfer-eager``: FlashInfer without CUDA graphs.
 
+After the engine is ready, nothing of the series compiles: no FlashInfer program is built, and
+vLLM's JIT monitor sees no kernel compiled but vLLM's own sampler kernel
+(`STOCK_KERNELS_COMPILED_AFTER_READY`).
+
 Bound (derived beside `SPARSE_ATTEND_RATIO_BOUND` in
 `vllm_minimax.testing.engine_runs`): the two attends on one fp8 cache may differ
 by at most 0.26 of what the cache's dtype moves the prompt logprobs; the control
@@ -26,6 +30,7 @@ from vllm_minimax.testing.engine_runs import (
     SPARSE_ATTEND_RATIO_BOUND,
     load_finished_run,
     mean_abs_diff,
+    series_kernels_compiled_after_ready,
 )
 
 RUNS_ENV = "VLLM_MINIMAX_SA_RUNS"
@@ -56,3 +61,10 @@ def test_flashinfer_within_bound_of_triton(run):
 def test_no_flashinfer_program_built_after_ready():
     run = _load("flashinfer-graphs")
     assert run["jit_built_after_ready"] == []
+
+
+@pytest.mark.parametrize(
+    "run", ["flashinfer-graphs", "triton-graphs", "triton-bf16-graphs", "flashinfer-eager"]
+)
+def test_no_kernel_of_the_series_compiled_after_ready(run):
+    assert series_kernels_compiled_after_ready(_load(run)) == []

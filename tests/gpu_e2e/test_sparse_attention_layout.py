@@ -3,10 +3,9 @@ which attend each sparse layer resolved, and what a layout whose pages it cannot
 
 Reads the runs of `sparse_attention_engine.py` from `VLLM_MINIMAX_SA_LAYOUT_RUNS` (GPU runs,
 checked here on any machine), made by `scripts/gpu-sparse-attention layout` on a tiny MiniMax
-M3 with 16 query heads over 2 KV heads (a TP-2 rank's group of 8), every run under vLLM's JIT
-monitor in error mode. Each run records, per sparse attention layer, the attend its impl
-resolved for the bound cache (``sparse_attends``), so a layer that falls back to Triton fails
-the check of a FlashInfer run:
+M3 with 16 query heads over 2 KV heads (a TP-2 rank's group of 8). Each run records, per
+sparse attention layer, the attend its impl resolved for the bound cache (``sparse_attends``),
+so a layer that falls back to Triton fails the check of a FlashInfer run:
 
 - ``gqa2-flashinfer-graphs``: fp8 KV cache, the attend forced to FlashInfer. The backend puts
   LBHNC first among its layouts, so the engine resolves it, every head's pages are dense and
@@ -14,7 +13,8 @@ the check of a FlashInfer run:
 - ``gqa2-nhd-auto-graphs``: the same with ``VLLM_KV_CACHE_LAYOUT=NHD`` and the attend left to
   ``auto``. The pages interleave the heads, FlashInfer's prefill cannot read them, and every
   sparse layer attends with vLLM's Triton kernels (one log line says why); their decode kernels
-  are built by the warm-up, so nothing compiles after the engine is ready;
+  are built by the warm-up, so vLLM's JIT monitor sees none of them compiled after the engine
+  is ready (only vLLM's own sampler kernel, `STOCK_KERNELS_COMPILED_AFTER_READY`);
 - ``gqa2-nhd-flashinfer-graphs``: NHD with the attend forced to FlashInfer: the engine does not
   start, and its error names the option, the layout and the fix;
 - ``gqa2-triton-bf16-graphs``: the control, Triton on a bf16 KV cache.
@@ -38,6 +38,7 @@ from vllm_minimax.testing.engine_runs import (
     load_finished_run,
     load_run,
     mean_abs_diff,
+    series_kernels_compiled_after_ready,
 )
 
 RUNS_ENV = "VLLM_MINIMAX_SA_LAYOUT_RUNS"
@@ -93,3 +94,10 @@ def test_flashinfer_on_dense_pages_within_bound_of_the_triton_fallback():
 @pytest.mark.parametrize("run", ["gqa2-flashinfer-graphs", "gqa2-nhd-auto-graphs"])
 def test_no_flashinfer_program_built_after_ready(run):
     assert _load(run)["jit_built_after_ready"] == []
+
+
+@pytest.mark.parametrize(
+    "run", ["gqa2-flashinfer-graphs", "gqa2-nhd-auto-graphs", "gqa2-triton-bf16-graphs"]
+)
+def test_no_kernel_of_the_series_compiled_after_ready(run):
+    assert series_kernels_compiled_after_ready(_load(run)) == []

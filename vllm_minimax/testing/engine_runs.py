@@ -1,6 +1,7 @@
 """Engine runs of tests/gpu_e2e: the prompts and the per-request record the run scripts
-write, loading saved runs, comparing their prompt logprobs, and listing the FlashInfer
-programs the engine's JIT cache holds.
+write, loading saved runs, comparing their prompt logprobs, listing the FlashInfer
+programs the engine's JIT cache holds, and the kernels vLLM's JIT monitor saw compiled
+after the engine was ready.
 
 The run scripts (`sparse_attention_engine.py`, `tp_engine.py`) write one JSON per run
 (`generate_seeded_prompts` makes its `requests`), committed gzip'ed under results/; the
@@ -9,12 +10,15 @@ checks read either form.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import logging
 import os
 import random
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,16 @@ FORCED_FLASHINFER_NOT_DENSE = (
     "LBNHC",
     "VLLM_KV_CACHE_LAYOUT=LBHNC",
 )
+# vLLM 0.34.0's sampler computes the logprobs a request asks for with a Triton kernel
+# (vllm/v1/worker/gpu/sample/logprob.py) that its own warm-up never runs, so the first request
+# asking for logprobs compiles it, with or without this series. Every other kernel compiled
+# after the engine was ready is a warm-up this series (or its test) misses.
+STOCK_KERNELS_COMPILED_AFTER_READY = frozenset({"_topk_log_softmax_kernel"})
+# How vLLM's JIT monitor (vllm/utils/jit_monitor.py) words a compilation after ready: the
+# backend and the event, then the kernel's name, then an optional "(detail)".
+_JIT_EVENT = re.compile(r"(?P<event>[^\]\s][^\]\n]*?) during inference: (?P<kernel>[^\s(]+?)[ .(]")
+JIT_MONITOR_LOGGER = "vllm.utils.jit_monitor"
+
 # The attend of each sparse impl class whose attend does not depend on the bound cache.
 _FIXED_ATTENDS = {
     "MiniMaxM3SparseTritonImpl": "triton",
@@ -155,3 +169,47 @@ def generate_seeded_prompts(llm: Any, lengths: Sequence[int], params: Any) -> di
         "jit_built_after_ready": sorted(flashinfer_jit_files() - before),
         "requests": [request_record(output) for output in outputs],
     }
+
+
+def jit_events_in(text: str) -> list[dict[str, str]]:
+    """The compilations after ready that vLLM's JIT monitor reported in `text` (its log lines
+    or messages), in order: each an ``event`` (``Triton kernel JIT compilation``, say) and the
+    ``kernel``'s name."""
+    return [
+        {"event": match["event"], "kernel": match["kernel"]} for match in _JIT_EVENT.finditer(text)
+    ]
+
+
+class _JitEventRecorder(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.events: list[dict[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.events.extend(jit_events_in(record.getMessage()))
+
+
+@contextlib.contextmanager
+def recording_jit_events() -> Iterator[list[dict[str, str]]]:
+    """The compilations vLLM's JIT monitor (in its warn mode) reports while inside, as
+    `jit_events_in` words them. The monitor reports in the process that compiles, so the
+    engine core must run in this one (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the monitor
+    reports each kernel once a process."""
+    recorder = _JitEventRecorder()
+    logger = logging.getLogger(JIT_MONITOR_LOGGER)
+    logger.addHandler(recorder)
+    try:
+        yield recorder.events
+    finally:
+        logger.removeHandler(recorder)
+
+
+def series_kernels_compiled_after_ready(run: dict[str, Any]) -> list[str]:
+    """The kernels a run saw compiled after ready (``jit_compiled_after_ready``) beyond
+    `STOCK_KERNELS_COMPILED_AFTER_READY`; a run without the record fails."""
+    assert "jit_compiled_after_ready" in run, "the run recorded no JIT monitor events"
+    return [
+        event["kernel"]
+        for event in run["jit_compiled_after_ready"]
+        if event["kernel"] not in STOCK_KERNELS_COMPILED_AFTER_READY
+    ]
