@@ -117,8 +117,7 @@ def gpu_drivers() -> list[str]:
 
 def gpu_line() -> tuple[str, tuple[int, int] | None]:
     """A description of the first CUDA GPU and its capability, without vLLM. On Linux
-    without a GPU driver, torch finds no GPU, and is not imported to say so (1.5 to 3 s
-    on 2 cores, most of a call whose other answers are stored)."""
+    without a GPU driver (`gpu_drivers`), torch finds no GPU, and is not imported to say so."""
     if importlib.util.find_spec("torch") is None:
         return "none (torch is not installed)", None
     if sys.platform == "linux" and not gpu_drivers():
