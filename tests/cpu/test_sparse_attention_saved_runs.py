@@ -13,6 +13,8 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 from vllm_minimax.testing.engine_runs import (
     SPARSE_ATTEND_RATIO_BOUND,
     load_run,
@@ -42,7 +44,7 @@ def _pytest(
 def test_committed_runs_pass_the_engine_checks():
     result = _pytest(SAVED)
     assert result.returncode == 0, result.stdout[-2000:]
-    assert "8 passed" in result.stdout
+    assert "10 passed" in result.stdout
 
 
 def _saved_runs(directory: Path, **changes: dict) -> Path:
@@ -79,13 +81,15 @@ def test_the_engine_checks_fail_a_run_without_the_jit_record(tmp_path):
     assert "1 failed" in result.stdout and "recorded no JIT monitor events" in result.stdout
 
 
-def test_a_flashinfer_run_replaced_by_the_control_fails(tmp_path):
+@pytest.mark.parametrize("run", ["flashinfer-graphs", "mtp-flashinfer-graphs"])
+def test_a_flashinfer_run_replaced_by_the_control_fails(tmp_path, run):
     for path in SAVED.glob("*.json.gz"):
         shutil.copy(path, tmp_path / path.name)
-    shutil.copy(SAVED / "triton-bf16-graphs.json.gz", tmp_path / "flashinfer-graphs.json.gz")
+    shutil.copy(SAVED / "triton-bf16-graphs.json.gz", tmp_path / f"{run}.json.gz")
     result = _pytest(tmp_path)
     assert result.returncode != 0
-    assert "FAILED" in result.stdout and "flashinfer-graphs" in result.stdout
+    failed = f"FAILED {TEST.relative_to(ROOT)}::test_flashinfer_within_bound_of_triton[{run}]"
+    assert failed in result.stdout
 
 
 def test_the_bound_separates_the_measured_pair_from_the_control():

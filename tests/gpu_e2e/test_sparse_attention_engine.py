@@ -5,7 +5,10 @@ directory of `<run>.json`; GPU runs, checked here on any machine):
 
 - ``flashinfer-graphs`` and ``triton-graphs``: fp8 KV cache, vLLM's defaults;
 - ``triton-bf16-graphs``: the control, a bf16 KV cache with Triton;
-- ``flashinfer-eager``: FlashInfer without CUDA graphs.
+- ``flashinfer-eager``: FlashInfer without CUDA graphs;
+- ``mtp-flashinfer-graphs``: FlashInfer with two speculative tokens from the model's MTP
+  module, whose draft layer attends with FlashInfer too. Speculation leaves the target's
+  prompt logprobs as they are, so they are held to the same bound against ``triton-graphs``.
 
 After the engine is ready, nothing of the series compiles: no FlashInfer program is built, and
 vLLM's JIT monitor sees no kernel compiled but vLLM's own sampler kernel
@@ -50,7 +53,7 @@ def test_control_pair_moves_the_logprobs():
     assert control > SPARSE_ATTEND_MIN_CONTROL
 
 
-@pytest.mark.parametrize("run", ["flashinfer-graphs", "flashinfer-eager"])
+@pytest.mark.parametrize("run", ["flashinfer-graphs", "flashinfer-eager", "mtp-flashinfer-graphs"])
 def test_flashinfer_within_bound_of_triton(run):
     control = mean_abs_diff(_load("triton-graphs"), _load("triton-bf16-graphs"))
     diff = mean_abs_diff(_load(run), _load("triton-graphs"))
@@ -64,7 +67,14 @@ def test_no_flashinfer_program_built_after_ready():
 
 
 @pytest.mark.parametrize(
-    "run", ["flashinfer-graphs", "triton-graphs", "triton-bf16-graphs", "flashinfer-eager"]
+    "run",
+    [
+        "flashinfer-graphs",
+        "triton-graphs",
+        "triton-bf16-graphs",
+        "flashinfer-eager",
+        "mtp-flashinfer-graphs",
+    ],
 )
 def test_no_kernel_of_the_series_compiled_after_ready(run):
     assert series_kernels_compiled_after_ready(_load(run)) == []
