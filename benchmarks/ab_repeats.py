@@ -19,8 +19,9 @@ is an upper bound on the deployment's (the collectives are left out) and tok/s p
 that divided by N (``--tensor-parallel-size``). Writes OUT/repeats.json and OUT/repeats.md,
 and with two arms OUT/repeats.png: the paired ratios of every point with their range.
 Each arm's KV cache size per server and, per level, the most requests its server ran at
-once are given beside them. ``--targets fp8kv --gpu h100|h200`` adds issue 41's table of
-targets (:mod:`benchmarks.fp8kv_targets`) to both files.
+once are given beside them. ``--targets fp8kv --gpu h100|h200`` adds issue 53's lean table
+of targets (:mod:`benchmarks.fp8kv_targets`: (c)/(d) direct, (c) never below (a) or (b)) to
+both files.
 """
 
 from __future__ import annotations
@@ -405,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--targets",
         choices=["fp8kv"],
-        help="add a table of targets: fp8kv, issue 41's (benchmarks/fp8kv_targets.py)",
+        help="add a table of targets: fp8kv, issue 53's lean A/B (benchmarks/fp8kv_targets.py)",
     )
     parser.add_argument("--gpu", choices=["h100", "h200"], help="the GPU the runs ran on")
     args = parser.parse_args(argv)

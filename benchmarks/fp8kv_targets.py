@@ -1,26 +1,32 @@
-"""Issue 41's targets for the fp8 KV cache and FlashInfer's sparse attention, against runs.
+"""Issue 53's lean targets for the fp8 KV cache and FlashInfer's sparse attention, against runs.
 
     python -m benchmarks.ab_repeats DIR... --out OUT --targets fp8kv --gpu h100 \\
-        --arms bf16 fp8-triton fp8-flashinfer stock
+        --arms stock fp8-flashinfer bf16 fp8-triton
 
 The arms (scripts/gpu-rank-slice's ``fp8kv_arm``): (a) ``bf16`` (bf16 KV cache, Triton sparse
-attention, FlashInfer indexer), (b) ``fp8-triton``, (c) ``fp8-flashinfer`` and (d)
-``stock`` (vLLM 0.34.0 unpatched). Every ratio is of medians: the median of the
-numerator arm's levels at the point over the median of the denominator arm's, each over
-the runs that measured both arms at that point (so the stock runs, which hold (a) and (d),
-do not move (c)/(a)). Beside it, the spread of the same ratio paired within each round.
+attention, FlashInfer indexer), (b) ``fp8-triton`` (one round, paired with (c)), (c)
+``fp8-flashinfer`` and (d) ``stock`` (vLLM 0.34.0 unpatched). The lean rounds (``lean-start``)
+run (a), (c) and (d) at every point, so every ratio to stock is direct. Every ratio is of
+medians: the median of the numerator arm's levels at the point over the median of the
+denominator arm's, each over the runs that measured both arms at that point (so the (b)
+round, which holds (b) and (c), does not move (c)/(d) or (c)/(a)). Beside it, the same ratio
+paired within each round.
 
 The targets, each met, missed or not measured (a point no run measured in both arms):
 
-- TTFT p50, (c)/(a): at most 0.55 at ``prefill-128k-c1``, at most 0.65 at ``prefill-64k-c1``;
-- output tok/s, (c)/(a): at least 1.3 at ``mixed-c16``;
-- ITL p50 (the decode step), (c)/(a): at most 1.0 at every decode point (``decode-*``);
-- output tok/s, (c)/(a): at least 1.3 at ``decode-32k-c64`` on the H100 only, where the
-  bf16 cache cannot hold its 64 requests (on the H200 the row says it is not a target);
-- output tok/s, (c)/(b): at least 1.0 at every point both measured ("(c) never below (b)").
+- TTFT p50, (c)/(d): at most 0.5 at ``prefill-128k-c1``, at most 0.6 at ``prefill-64k-c1``;
+- output tok/s, (c)/(d): at least 1.5 at ``mixed-c16``;
+- ITL p50, (c)/(d): at most 0.97 at ``decode-32k-c8``;
+- output tok/s, (c)/(d): at least 1.4 at ``decode-32k-c64``, on the H100 only (no arm's
+  cache holds its 64 requests there; the row gives how many each arm ran at once; on the
+  H200 it says it is not a target);
+- (c) at or above (a) at every lean point of the card, and at or above (b) at the four
+  points (b) ran: not slower in TTFT p50 at a prefill point and in ITL p50 at
+  ``decode-32k-c8``, not lower in output tok/s at ``mixed-c16`` and ``decode-32k-c64``; one
+  row per point.
 
-Then the chain to stock at the stock points: (a)/(d), (c)/(a) and their product (c)/(d),
-for output tok/s, TTFT p50 and ITL p50 (figures, no target).
+The older plan's chain to stock ((a)/(d) x (c)/(a) at two points) is retired: the lean
+rounds measure (c)/(d) directly.
 """
 
 from __future__ import annotations
@@ -33,7 +39,11 @@ from typing import Any
 BF16, FP8_TRITON, FP8_FLASHINFER, STOCK = "bf16", "fp8-triton", "fp8-flashinfer", "stock"
 ARM_LETTERS = {BF16: "a", FP8_TRITON: "b", FP8_FLASHINFER: "c", STOCK: "d"}
 GPUS = ("h100", "h200")
-STOCK_POINTS = ("prefill-64k-c1", "decode-32k-c8")
+# The lean points (scripts/gpu-rank-slice's LEAN_POINTS and LEAN_H100_POINTS) and where (b)
+# ran (the four both cards run).
+LEAN_POINTS = ("prefill-128k-c1", "prefill-64k-c1", "decode-32k-c8", "mixed-c16")
+CAPACITY_POINT = "decode-32k-c64"
+POINTS = {"h100": (*LEAN_POINTS, CAPACITY_POINT), "h200": LEAN_POINTS}
 
 Level = dict[str, Any]
 METRIC_READERS: dict[str, Callable[[Level], float | None]] = {
@@ -61,12 +71,30 @@ class Target:
         return ratio <= self.bound if self.direction == AT_MOST else ratio >= self.bound
 
 
-FIXED_TARGETS = (
-    Target("TTFT p50 ms", "prefill-128k-c1", FP8_FLASHINFER, BF16, 0.55, AT_MOST),
-    Target("TTFT p50 ms", "prefill-64k-c1", FP8_FLASHINFER, BF16, 0.65, AT_MOST),
-    Target("tok/s", "mixed-c16", FP8_FLASHINFER, BF16, 1.3, AT_LEAST),
+TTFT, TOK_S, ITL = "TTFT p50 ms", "tok/s", "ITL p50 ms"
+STOCK_TARGETS = (
+    Target(TTFT, "prefill-128k-c1", FP8_FLASHINFER, STOCK, 0.5, AT_MOST),
+    Target(TTFT, "prefill-64k-c1", FP8_FLASHINFER, STOCK, 0.6, AT_MOST),
+    Target(TOK_S, "mixed-c16", FP8_FLASHINFER, STOCK, 1.5, AT_LEAST),
+    Target(ITL, "decode-32k-c8", FP8_FLASHINFER, STOCK, 0.97, AT_MOST),
+    Target(TOK_S, CAPACITY_POINT, FP8_FLASHINFER, STOCK, 1.4, AT_LEAST, ("h100",)),
 )
-CAPACITY_TARGET = Target("tok/s", "decode-32k-c64", FP8_FLASHINFER, BF16, 1.3, AT_LEAST, ("h100",))
+# What "(c) at or above" reads at each point: the point's own target metric.
+POINT_METRIC = {
+    "prefill-128k-c1": TTFT,
+    "prefill-64k-c1": TTFT,
+    "decode-32k-c8": ITL,
+    "mixed-c16": TOK_S,
+    CAPACITY_POINT: TOK_S,
+}
+
+
+def never_below_target(point: str, other: str) -> Target:
+    """(c) at or above ``other`` at ``point``: a latency ratio at most 1, tok/s at least 1."""
+    metric = POINT_METRIC[point]
+    direction = AT_LEAST if metric == TOK_S else AT_MOST
+    gpus = ("h100",) if point == CAPACITY_POINT else GPUS
+    return Target(metric, point, FP8_FLASHINFER, other, 1.0, direction, gpus)
 
 
 def levels_by_point(
@@ -138,11 +166,6 @@ def ratio_of_medians(
     }
 
 
-def measured_points(runs: Sequence[dict[str, Any]], numerator: str, denominator: str) -> list[str]:
-    """The points both arms measured in some run, in the order the runs give them."""
-    return list(levels_by_point(runs, numerator, denominator))
-
-
 def evaluate(target: Target, runs: Sequence[dict[str, Any]], gpu: str) -> dict[str, Any]:
     row: dict[str, Any] = {
         "metric": target.metric,
@@ -160,91 +183,66 @@ def evaluate(target: Target, runs: Sequence[dict[str, Any]], gpu: str) -> dict[s
     return {**row, **found, "status": MET if target.holds(found["ratio"]) else MISSED}
 
 
+def running_counts(runs: Sequence[dict[str, Any]], point: str, arm: str) -> dict[str, float]:
+    """How many requests ``arm`` ran at once at ``point`` (eval ab's ``running_requests``):
+    the median over its levels of each level's max and of each level's median; empty when
+    no level recorded it."""
+    records = [
+        level["running_requests"]
+        for run in runs
+        for record in run.get("arms", [])
+        if record["name"] == arm
+        for scenario in (record.get("throughput") or {}).get("scenarios", [])
+        if scenario["name"] == point
+        for level in scenario.get("levels", [])
+        if level.get("running_requests")
+    ]
+    if not records:
+        return {}
+    return {
+        "max": statistics.median(r["max"] for r in records),
+        "median": statistics.median(r["median"] for r in records),
+    }
+
+
 def running_detail(runs: Sequence[dict[str, Any]], point: str, arms: Sequence[str]) -> str:
-    """How many requests ran at once at ``point``, per arm: the median over its levels of
-    each level's max (eval ab's ``running_requests``)."""
-    parts = []
+    """Per arm, how many requests ran at once at ``point`` (max / median); arms whose maxima
+    differ compare capacity, not kernels, and the detail says so."""
+    parts, maxima = [], set()
     for arm in arms:
-        peaks = [
-            level["running_requests"]["max"]
-            for run in runs
-            for record in run.get("arms", [])
-            if record["name"] == arm
-            for scenario in (record.get("throughput") or {}).get("scenarios", [])
-            if scenario["name"] == point
-            for level in scenario.get("levels", [])
-            if level.get("running_requests")
-        ]
-        if peaks:
-            parts.append(f"{arm} ran {statistics.median(peaks):.0f} at once")
-    return "; ".join(parts)
+        counts = running_counts(runs, point, arm)
+        if counts:
+            maxima.add(counts["max"])
+            parts.append(
+                f"({ARM_LETTERS[arm]}) ran {counts['max']:.0f} at once"
+                f" (median {counts['median']:.0f})"
+            )
+        else:
+            parts.append(f"({ARM_LETTERS[arm]}) running not recorded")
+    text = "; ".join(parts)
+    if len(maxima) > 1:
+        text += ": different numbers at once, so capacity, not kernels"
+    return text
 
 
 def target_rows(runs: Sequence[dict[str, Any]], gpu: str) -> list[dict[str, Any]]:
+    """The lean table: the (c)/(d) targets, then (c) at or above (a) at the card's points
+    and at or above (b) at the four points (b) ran."""
     if gpu not in GPUS:
         raise ValueError(f"gpu must be one of {', '.join(GPUS)}, got {gpu!r}")
-    rows = [evaluate(target, runs, gpu) for target in FIXED_TARGETS]
-    decode_points = [
-        point
-        for point in measured_points(runs, FP8_FLASHINFER, BF16)
-        if point.startswith("decode-")
-    ]
-    for point in decode_points or ["decode-*"]:
-        rows.append(
-            evaluate(Target("ITL p50 ms", point, FP8_FLASHINFER, BF16, 1.0, AT_MOST), runs, gpu)
-        )
-    capacity = evaluate(CAPACITY_TARGET, runs, gpu)
-    capacity["detail"] = running_detail(runs, CAPACITY_TARGET.point, (BF16, FP8_FLASHINFER))
-    rows.append(capacity)
-    rows.append(never_below(runs))
-    return rows
-
-
-def never_below(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """(c)/(b) tok/s at every point both measured: met when none is below 1; the lowest
-    point named."""
-    target = Target("tok/s", "every point", FP8_FLASHINFER, FP8_TRITON, 1.0, AT_LEAST)
-    row = evaluate(target, [], "h100") | {"status": NOT_MEASURED}
-    found = {
-        point: ratio_of_medians(runs, "tok/s", point, FP8_FLASHINFER, FP8_TRITON)
-        for point in measured_points(runs, FP8_FLASHINFER, FP8_TRITON)
-    }
-    found = {point: entry for point, entry in found.items() if entry is not None}
-    if not found:
-        return row
-    lowest = min(found, key=lambda point: found[point]["ratio"])
-    below = [point for point, entry in found.items() if not target.holds(entry["ratio"])]
-    return row | {
-        "ratio": found[lowest]["ratio"],
-        "status": MISSED if below else MET,
-        "detail": f"lowest at {lowest} of {len(found)} points"
-        + (f"; below 1 at {', '.join(below)}" if below else ""),
-        "points": {point: entry["ratio"] for point, entry in found.items()},
-    }
-
-
-def stock_chain(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per stock point and metric: (a)/(d), (c)/(a) and the chained (c)/(d)."""
     rows = []
-    for point in STOCK_POINTS:
-        for metric in METRIC_READERS:
-            patched = ratio_of_medians(runs, metric, point, BF16, STOCK)
-            fp8 = ratio_of_medians(runs, metric, point, FP8_FLASHINFER, BF16)
-            chained = patched["ratio"] * fp8["ratio"] if patched and fp8 else None
-            rows.append(
-                {
-                    "point": point,
-                    "metric": metric,
-                    "a/d": patched["ratio"] if patched else None,
-                    "c/a": fp8["ratio"] if fp8 else None,
-                    "c/d": chained,
-                }
-            )
+    for target in STOCK_TARGETS:
+        row = evaluate(target, runs, gpu)
+        if target.point == CAPACITY_POINT and row["status"] != NOT_A_TARGET:
+            row["detail"] = running_detail(runs, CAPACITY_POINT, (FP8_FLASHINFER, STOCK, BF16))
+        rows.append(row)
+    rows += [evaluate(never_below_target(point, BF16), runs, gpu) for point in POINTS[gpu]]
+    rows += [evaluate(never_below_target(point, FP8_TRITON), runs, gpu) for point in LEAN_POINTS]
     return rows
 
 
 def summarise(runs: Sequence[dict[str, Any]], gpu: str) -> dict[str, Any]:
-    return {"gpu": gpu, "targets": target_rows(runs, gpu), "stock_chain": stock_chain(runs)}
+    return {"gpu": gpu, "targets": target_rows(runs, gpu)}
 
 
 def _ratio(value: float | None) -> str:
@@ -259,11 +257,12 @@ def _paired(spread: dict[str, float] | None) -> str:
 
 def markdown(summary: dict[str, Any]) -> str:
     lines = [
-        f"## Issue 41's targets on the {summary['gpu'].upper()}",
+        f"## Issue 53's lean targets on the {summary['gpu'].upper()}",
         "",
         "Ratio of medians (each arm's median over the runs that measured both arms at the"
         " point); beside it, the same ratio paired within each round, median [min-max]. Arms:"
-        " (a) bf16, (b) fp8-triton, (c) fp8-flashinfer, (d) stock.",
+        " (a) bf16, (b) fp8-triton, (c) fp8-flashinfer, (d) stock vLLM 0.34.0. Below 1 is"
+        " faster for TTFT and ITL; above 1 is more tok/s.",
         "",
         "| target | point | arms | ratio of medians | paired per round | status | note |",
         "|---|---|---|---|---|---|---|",
@@ -273,20 +272,5 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {row['metric']} {row['target']} | {row['point']} | {row['letters']} |"
             f" {_ratio(row.get('ratio'))} | {_paired(row.get('paired'))} | {row['status']} |"
             f" {row.get('detail') or ''} |"
-        )
-    lines += [
-        "",
-        "### The chain to stock vLLM 0.34.0",
-        "",
-        "(a)/(d) from the runs holding both, (c)/(a) from those holding both, (c)/(d) their"
-        " product; below 1 is faster for the latencies, above 1 more tok/s.",
-        "",
-        "| point | metric | (a)/(d) | (c)/(a) | (c)/(d), chained |",
-        "|---|---|---|---|---|",
-    ]
-    for row in summary["stock_chain"]:
-        lines.append(
-            f"| {row['point']} | {row['metric']} | {_ratio(row['a/d'])} | {_ratio(row['c/a'])} |"
-            f" {_ratio(row['c/d'])} |"
         )
     return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
-"""Issue 41's A/B made ready without a GPU: scripts/gpu-rank-slice's arms, groups and round
-orders, the stock arm's config against stock vLLM 0.34.0's own fields and its unpatched
-copy, the H100 serve config, step_profile's arms and benchmarks.fp8kv_targets' table."""
+"""Issue 53's lean A/B made ready without a GPU: scripts/gpu-rank-slice's arms, the lean
+rounds' orders, points per card and the stock arm's environment, the stock arm's config
+against stock vLLM 0.34.0's own fields and its unpatched copy, the H100 serve config,
+step_profile's arms and benchmarks.fp8kv_targets' lean table."""
 
 from __future__ import annotations
 
@@ -24,14 +25,20 @@ SERVE_CONFIGS = {
     card: REPO_ROOT / "evals" / f"{card}-m3-tp8-rank-serve.yaml" for card in ("h100", "h200")
 }
 KV_ARMS = ("bf16", "fp8-triton", "fp8-flashinfer")
+# Issue 53: (a), (c), (d) rotated by REP.
+LEAN_ORDERS = {
+    1: ["bf16", "fp8-flashinfer", "stock"],
+    2: ["fp8-flashinfer", "stock", "bf16"],
+    3: ["stock", "bf16", "fp8-flashinfer"],
+}
 SERIES_ONLY_KEYS = ("minimax_m3_indexer_backend", "minimax_m3_sparse_attention_backend")
 
 
 def script_functions(*names: str) -> str:
-    """Bash that defines the script's functions ``names`` (and its FP8KV_ variables)."""
+    """Bash that defines the script's functions ``names`` (and its LEAN_ variables)."""
     picks = ";".join(f"/^{name}() {{/,/^}}/p" for name in names)
     # The script's shell options: pipefail changes what a pipeline's status says.
-    return f"set -uo pipefail; source <(sed -n '{picks};/^FP8KV_[A-Z_]*=/p' {SCRIPT}); "
+    return f"set -uo pipefail; source <(sed -n '{picks};/^LEAN_[A-Z0-9_]*=/p' {SCRIPT}); "
 
 
 def run_bash(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -47,7 +54,7 @@ def run_bash(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def script_output(code: str) -> str:
-    done = run_bash(script_functions("fp8kv_arm", "fp8kv_order", "fp8kv_group") + code)
+    done = run_bash(script_functions("fp8kv_arm", "lean_order", "lean_points") + code)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -59,28 +66,103 @@ def arms() -> dict[str, ab.Arm]:
     return {arm.name: arm for arm in parsed}
 
 
-def test_three_rounds_put_each_kv_arm_in_each_place():
-    orders = [script_output(f"fp8kv_order {rep}").split() for rep in (1, 2, 3, 4)]
-    assert orders[0] == list(KV_ARMS)
-    assert orders[3] == orders[0]
-    for arm in KV_ARMS:
-        assert sorted(order.index(arm) for order in orders[:3]) == [0, 1, 2]
-    assert all(sorted(order) == sorted(KV_ARMS) for order in orders)
+def test_the_lean_rounds_rotate_a_c_d_so_each_arm_runs_in_each_place():
+    orders = {rep: script_output(f"lean_order {rep}").split() for rep in (1, 2, 3, 4)}
+    assert {rep: orders[rep] for rep in (1, 2, 3)} == LEAN_ORDERS
+    assert orders[4] == orders[1]
+    for arm in LEAN_ORDERS[1]:
+        assert sorted(orders[rep].index(arm) for rep in (1, 2, 3)) == [0, 1, 2]
 
 
-def test_the_groups_cover_the_preset_once_with_the_targets_first():
-    names = ("targets", "capacity", "decode", "long")
-    groups = {name: script_output(f"fp8kv_group {name}").split() for name in names}
+def test_the_lean_points_are_the_targets_points_and_the_capacity_point_on_the_h100_only():
     preset = [scenario.name for scenario in presets.load_throughput_preset("m3-rank").scenarios]
-    together = [point for points in groups.values() for point in points]
-    assert sorted(together) == sorted(preset), "every point of m3-rank.yaml in one group"
-    assert {"prefill-128k-c1", "prefill-64k-c1", "mixed-c16"} <= set(groups["targets"])
-    # The capacity point fills the H100's KV cache: last in its group.
-    assert groups["capacity"][-1] == "decode-32k-c64"
-    assert run_bash(script_functions("fp8kv_group") + "fp8kv_group nope").returncode == 1
-    stock = script_output("echo ${FP8KV_STOCK_POINTS[@]}").split()
-    assert stock == list(fp8kv_targets.STOCK_POINTS)
-    assert set(stock) <= set(preset)
+    h100 = script_output("lean_points h100").split()
+    h200 = script_output("lean_points h200").split()
+    assert h200 == ["prefill-128k-c1", "prefill-64k-c1", "decode-32k-c8", "mixed-c16"]
+    # The capacity point fills every arm's cache on the H100: last, and only there.
+    assert h100 == [*h200, "decode-32k-c64"]
+    assert {"h100": tuple(h100), "h200": tuple(h200)} == fp8kv_targets.POINTS
+    assert tuple(h200) == fp8kv_targets.LEAN_POINTS
+    assert set(h100) <= set(preset)
+    refused = run_bash(script_functions("lean_points") + "lean_points a100")
+    assert refused.returncode == 2 and "no lean points for card a100" in refused.stderr
+
+
+ROUND_FUNCTIONS = (
+    "fp8kv_arm",
+    "lean_order",
+    "lean_points",
+    "stock_env",
+    "check_rep",
+    "ab_command",
+    "lean_round",
+    "lean_fp8triton_round",
+)
+
+
+def round_command(call: str, card: str) -> tuple[str, list[str], list[ab.Arm]]:
+    """The tag, the points and the arms (with their environments, as eval ab reads
+    --arm-env) of the script's ``call`` on ``card``, the preset's writing stubbed."""
+    code = (
+        script_functions(*ROUND_FUNCTIONS)
+        + 'select_scenarios() { shift; echo "points: $*"; }; '
+        + f"model=/m serve_config=c.yaml routing=R=1 stock=/stock-copy card={card}; "
+        + call
+        + '; echo "tag: $tag"; printf "%s\\n" "${ab_cmd[@]}"'
+    )
+    done = run_bash(code, PYTHONPATH="/env-site")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("points: ") and lines[1].startswith("tag: ")
+    argv = lines[2:]
+    assert argv[:3] == ["python3", "-m", "vllm_minimax"]
+    arms = [ab.parse_arm(argv[i + 1]) for i, word in enumerate(argv) if word == "--arm"]
+    envs = [argv[i + 1] for i, word in enumerate(argv) if word == "--arm-env"]
+    return lines[1][5:], lines[0][8:].split(), ab.parse_arm_env(envs, arms)
+
+
+@pytest.mark.parametrize("card", ["h100", "h200"])
+@pytest.mark.parametrize("rep", [1, 2, 3])
+def test_a_lean_round_runs_a_c_d_rotated_and_only_stock_imports_the_unpatched_copy(rep, card):
+    tag, points, arms = round_command(f"lean_round {rep}", card)
+    assert tag == f"lean-rep{rep}"
+    assert points == script_output(f"lean_points {card}").split()
+    assert ("decode-32k-c64" in points) == (card == "h100")
+    assert [arm.name for arm in arms] == LEAN_ORDERS[rep]
+    for arm in arms:
+        expected = {"PYTHONPATH": "/stock-copy:/env-site"} if arm.name == "stock" else {}
+        assert dict(arm.env) == expected, arm.name
+
+
+@pytest.mark.parametrize("card", ["h100", "h200"])
+def test_the_fp8_triton_round_pairs_b_with_c_at_the_four_points_without_stock(card):
+    orders = {1: ["fp8-triton", "fp8-flashinfer"], 2: ["fp8-flashinfer", "fp8-triton"]}
+    for rep, order in orders.items():
+        tag, points, arms = round_command(f"lean_fp8triton_round {rep}", card)
+        assert tag == f"lean-fp8triton-rep{rep}"
+        assert points == list(fp8kv_targets.LEAN_POINTS)
+        assert [arm.name for arm in arms] == order
+        assert all(not arm.env for arm in arms)
+
+
+def test_the_stock_arm_is_checked_to_import_the_copy(tmp_path):
+    copy = tmp_path / "stock"
+    (copy / "vllm").mkdir(parents=True)
+    (copy / "vllm" / "__init__.py").write_text("")
+    check = script_functions("stock_imported") + f"stock={copy}; stock_imported"
+    done = run_bash(check)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"stock arm imports {copy}/vllm/__init__.py"
+    (copy / "vllm" / "__init__.py").unlink()
+    (copy / "vllm").rmdir()
+    done = run_bash(check)
+    assert done.returncode == 4 and "the stock arm would import" in done.stderr
+    # The phase makes the copy first, and checks the import before it starts the round.
+    text = SCRIPT.read_text()
+    assert 'if [ "$phase" = lean-start ]; then\n    stock_vllm "$site" "$stock"' in text
+    phase = text[text.index("    lean-start)\n") : text.index("    lean-fp8triton-start)\n")]
+    assert phase.index("lean_round") < phase.index("stock_imported || exit 4")
+    assert phase.index("stock_imported") < phase.index("start_detached")
 
 
 def test_the_128k_prefill_fits_the_model_length_with_its_output():
@@ -295,158 +377,197 @@ def three(tok_s: tuple, ttft: tuple, itl: tuple, running: float = 0) -> list[dic
 SAME = (1.0, 1.0, 1.0)
 
 
-def main_runs() -> list[dict]:
-    """Three rounds of a, b, c: c's TTFT at 128k is 0.52 of a's (met, <= 0.55), at 64k 0.70
-    (missed, <= 0.65); mixed tok/s 1.40 (met, >= 1.3); ITL 0.98 at decode-32k-c8 (met) and
-    1.02 at decode-8k-c1 (missed); decode-32k-c64 tok/s 1.20 (missed on the H100, >= 1.3);
-    c/b tok/s 0.97 at mixed-c16 (missed)."""
+def lean_runs() -> list[dict]:
+    """Three lean rounds of a, c, d on the H100. (c)/(d): TTFT 0.46 at 128k (met, <= 0.5),
+    0.65 at 64k (missed, <= 0.6); mixed tok/s 1.6 (met, >= 1.5); ITL 0.96 at decode-32k-c8
+    (met, <= 0.97); decode-32k-c64 tok/s 1.3 (missed, >= 1.4). (c)/(a): TTFT 0.767 and 0.929
+    (met), mixed tok/s 0.970 (missed: lower), ITL 1.011 (missed: slower), capacity tok/s
+    1.18 (met)."""
     points = {
         "prefill-128k-c1": {
-            "bf16": three(SAME, (1000.0, 1100.0, 900.0), SAME),
-            "fp8-triton": three(SAME, (990.0, 990.0, 990.0), SAME),
-            "fp8-flashinfer": three(SAME, (500.0, 520.0, 560.0), SAME),
+            "bf16": three(SAME, (600.0, 600.0, 600.0), SAME),
+            "fp8-flashinfer": three(SAME, (450.0, 460.0, 470.0), SAME),
+            "stock": three(SAME, (1000.0, 1100.0, 900.0), SAME),
         },
         "prefill-64k-c1": {
-            "bf16": three(SAME, (100.0, 100.0, 100.0), SAME),
-            "fp8-triton": three(SAME, (100.0, 100.0, 100.0), SAME),
-            "fp8-flashinfer": three(SAME, (70.0, 70.0, 70.0), SAME),
+            "bf16": three(SAME, (70.0, 70.0, 70.0), SAME),
+            "fp8-flashinfer": three(SAME, (65.0, 65.0, 65.0), SAME),
+            "stock": three(SAME, (100.0, 100.0, 100.0), SAME),
         },
         "mixed-c16": {
-            "bf16": three((100.0, 110.0, 90.0), SAME, SAME),
-            "fp8-triton": three((144.3, 144.3, 144.3), SAME, SAME),
-            "fp8-flashinfer": three((140.0, 150.0, 130.0), SAME, SAME),
+            "bf16": three((165.0, 165.0, 165.0), SAME, SAME),
+            "fp8-flashinfer": three((160.0, 150.0, 170.0), SAME, SAME),
+            "stock": three((100.0, 110.0, 90.0), SAME, SAME),
         },
         "decode-32k-c8": {
-            "bf16": three(SAME, SAME, (10.0, 10.0, 10.0)),
-            "fp8-triton": three(SAME, SAME, (10.0, 10.0, 10.0)),
-            "fp8-flashinfer": three(SAME, SAME, (9.8, 9.8, 9.8)),
-        },
-        "decode-8k-c1": {
-            "bf16": three(SAME, SAME, (5.0, 5.0, 5.0)),
-            "fp8-triton": three(SAME, SAME, (5.0, 5.0, 5.0)),
-            "fp8-flashinfer": three(SAME, SAME, (5.1, 5.1, 5.1)),
+            "bf16": three(SAME, SAME, (9.5, 9.5, 9.5)),
+            "fp8-flashinfer": three(SAME, SAME, (9.6, 9.6, 9.6)),
+            "stock": three(SAME, SAME, (10.0, 10.0, 10.0)),
         },
         "decode-32k-c64": {
-            "bf16": three((100.0, 100.0, 100.0), SAME, SAME, running=18),
-            "fp8-triton": three((100.0, 100.0, 100.0), SAME, SAME, running=30),
-            "fp8-flashinfer": three((120.0, 120.0, 120.0), SAME, SAME, running=30),
+            "bf16": three((110.0, 110.0, 110.0), SAME, SAME, running=18),
+            "fp8-flashinfer": three((130.0, 130.0, 130.0), SAME, SAME, running=30),
+            "stock": three((100.0, 100.0, 100.0), SAME, SAME, running=16),
         },
     }
-    return [run(points, kv={"bf16": 610112, "fp8-flashinfer": 1023744})]
+    return [run(points, kv={"bf16": 610112, "fp8-flashinfer": 1023744, "stock": 512000})]
 
 
-def stock_runs() -> list[dict]:
-    """bf16 against stock at the stock points: bf16's TTFT here (200 ms) must not move
-    (c)/(a) at prefill-64k-c1, which only the runs holding c give; (a)/(d) tok/s 1.1."""
-    return [
-        run(
-            {
-                "prefill-64k-c1": {
-                    "bf16": three((11.0, 11.0, 11.0), (200.0, 200.0, 200.0), SAME),
-                    "stock": three((10.0, 10.0, 10.0), (250.0, 250.0, 250.0), SAME),
-                },
-                "decode-32k-c8": {
-                    "bf16": three((11.0, 11.0, 11.0), SAME, SAME),
-                    "stock": three((10.0, 10.0, 10.0), SAME, SAME),
-                },
-            }
-        )
-    ]
+def fp8_triton_runs() -> list[dict]:
+    """The one round of (b) beside (c) at the four points. (c)/(b): TTFT 0.575 at 128k (met),
+    66/60 = 1.1 at 64k (missed: slower), mixed tok/s 1.067 (met), ITL 1.0 at decode-32k-c8
+    (met: equal is not slower). (c)'s 66 ms here must not move (c)/(d) at 64k."""
+    points = {
+        "prefill-128k-c1": {
+            "fp8-triton": [level(0, 1.0, 800.0, 1.0)],
+            "fp8-flashinfer": [level(0, 1.0, 460.0, 1.0)],
+        },
+        "prefill-64k-c1": {
+            "fp8-triton": [level(0, 1.0, 60.0, 1.0)],
+            "fp8-flashinfer": [level(0, 1.0, 66.0, 1.0)],
+        },
+        "mixed-c16": {
+            "fp8-triton": [level(0, 150.0, 1.0, 1.0)],
+            "fp8-flashinfer": [level(0, 160.0, 1.0, 1.0)],
+        },
+        "decode-32k-c8": {
+            "fp8-triton": [level(0, 1.0, 1.0, 9.6)],
+            "fp8-flashinfer": [level(0, 1.0, 1.0, 9.6)],
+        },
+    }
+    return [run(points)]
 
 
-def by_point(rows: list[dict]) -> dict[tuple[str, str], dict]:
-    return {(row["metric"], row["point"]): row for row in rows}
+def by_point(rows: list[dict]) -> dict[tuple[str, str, str], dict]:
+    return {(row["letters"], row["metric"], row["point"]): row for row in rows}
 
 
-def test_each_target_is_the_ratio_of_medians_in_its_direction():
-    rows = by_point(fp8kv_targets.target_rows(main_runs() + stock_runs(), "h100"))
-    prefill = rows["TTFT p50 ms", "prefill-128k-c1"]
-    assert prefill["ratio"] == pytest.approx(520.0 / 1000.0)  # c over a, not a over c
-    assert prefill["medians"] == {"fp8-flashinfer": 520.0, "bf16": 1000.0}
-    assert (prefill["status"], prefill["target"], prefill["letters"]) == (
-        "met",
-        "at most 0.55",
-        "(c)/(a)",
-    )
+def test_each_lean_target_is_c_over_stock_directly_in_its_direction():
+    rows = by_point(fp8kv_targets.target_rows(lean_runs() + fp8_triton_runs(), "h100"))
+    prefill = rows["(c)/(d)", "TTFT p50 ms", "prefill-128k-c1"]
+    assert prefill["ratio"] == pytest.approx(460.0 / 1000.0)  # c over d, not d over c
+    assert prefill["medians"] == {"fp8-flashinfer": 460.0, "stock": 1000.0}
+    assert (prefill["status"], prefill["target"]) == ("met", "at most 0.5")
     assert prefill["paired"]["n"] == 3
-    assert prefill["paired"]["max"] == pytest.approx(560.0 / 900.0)
-    # 0.70 is above 0.65: missed (a flipped direction would call it met). The stock run's
-    # bf16 TTFT (200 ms) is not pooled in: the ratio is 70 / 100.
-    assert rows["TTFT p50 ms", "prefill-64k-c1"]["ratio"] == pytest.approx(0.70)
-    assert rows["TTFT p50 ms", "prefill-64k-c1"]["status"] == "missed"
-    assert rows["tok/s", "mixed-c16"]["ratio"] == pytest.approx(1.40)
-    assert rows["tok/s", "mixed-c16"]["status"] == "met"
-    assert rows["ITL p50 ms", "decode-32k-c8"]["status"] == "met"
-    assert rows["ITL p50 ms", "decode-8k-c1"]["ratio"] == pytest.approx(1.02)
-    assert rows["ITL p50 ms", "decode-8k-c1"]["status"] == "missed"
-    capacity = rows["tok/s", "decode-32k-c64"]
-    assert (capacity["ratio"], capacity["status"]) == (pytest.approx(1.2), "missed")
-    assert capacity["detail"] == "bf16 ran 18 at once; fp8-flashinfer ran 30 at once"
-    never = rows["tok/s", "every point"]
-    assert never["status"] == "missed" and never["letters"] == "(c)/(b)"
-    assert never["ratio"] == pytest.approx(140.0 / 144.3)
-    assert "below 1 at mixed-c16" in never["detail"]
+    assert prefill["paired"]["max"] == pytest.approx(470.0 / 900.0)
+    # 0.65 is above 0.6: missed (a flipped direction would call it met). The (b) round's
+    # (c) at 66 ms is not pooled in: 65 / 100, not 65.5 / 100.
+    ttft64 = rows["(c)/(d)", "TTFT p50 ms", "prefill-64k-c1"]
+    assert (ttft64["ratio"], ttft64["status"]) == (pytest.approx(0.65), "missed")
+    mixed = rows["(c)/(d)", "tok/s", "mixed-c16"]
+    assert (mixed["ratio"], mixed["status"], mixed["target"]) == (
+        pytest.approx(1.6),
+        "met",
+        "at least 1.5",
+    )
+    itl = rows["(c)/(d)", "ITL p50 ms", "decode-32k-c8"]
+    assert (itl["ratio"], itl["status"], itl["target"]) == (
+        pytest.approx(0.96),
+        "met",
+        "at most 0.97",
+    )
+    capacity = rows["(c)/(d)", "tok/s", "decode-32k-c64"]
+    assert (capacity["ratio"], capacity["status"], capacity["target"]) == (
+        pytest.approx(1.3),
+        "missed",
+        "at least 1.4",
+    )
+    assert capacity["detail"] == (
+        "(c) ran 30 at once (median 15); (d) ran 16 at once (median 8);"
+        " (a) ran 18 at once (median 9): different numbers at once, so capacity, not kernels"
+    )
+    # No chain: every (c)/(d) row is measured from runs holding both.
+    assert not any(row["letters"] in ("(a)/(d)", "(c)/(a) x (a)/(d)") for row in rows.values())
+
+
+def test_c_never_below_a_or_b_reads_each_points_metric_in_its_direction():
+    rows = by_point(fp8kv_targets.target_rows(lean_runs() + fp8_triton_runs(), "h100"))
+    versus_a = {point: row for (letters, _, point), row in rows.items() if letters == "(c)/(a)"}
+    assert list(versus_a) == list(fp8kv_targets.POINTS["h100"])
+    expected_a = {
+        "prefill-128k-c1": ("TTFT p50 ms", 460.0 / 600.0, "at most 1", "met"),
+        "prefill-64k-c1": ("TTFT p50 ms", 65.0 / 70.0, "at most 1", "met"),
+        "decode-32k-c8": ("ITL p50 ms", 9.6 / 9.5, "at most 1", "missed"),  # slower
+        "mixed-c16": ("tok/s", 160.0 / 165.0, "at least 1", "missed"),  # fewer tok/s
+        "decode-32k-c64": ("tok/s", 130.0 / 110.0, "at least 1", "met"),
+    }
+    for point, (metric, ratio, target, status) in expected_a.items():
+        row = versus_a[point]
+        assert (row["metric"], row["target"], row["status"]) == (metric, target, status), point
+        assert row["ratio"] == pytest.approx(ratio), point
+    versus_b = {point: row for (letters, _, point), row in rows.items() if letters == "(c)/(b)"}
+    assert list(versus_b) == list(fp8kv_targets.LEAN_POINTS)
+    expected_b = {
+        "prefill-128k-c1": (460.0 / 800.0, "met"),
+        "prefill-64k-c1": (66.0 / 60.0, "missed"),
+        "decode-32k-c8": (1.0, "met"),
+        "mixed-c16": (160.0 / 150.0, "met"),
+    }
+    for point, (ratio, status) in expected_b.items():
+        assert (versus_b[point]["ratio"], versus_b[point]["status"]) == (
+            pytest.approx(ratio),
+            status,
+        ), point
+        assert versus_b[point]["paired"]["n"] == 1
 
 
 def test_a_zero_denominator_is_not_measured_rather_than_a_crash():
     """An arm whose every level served nothing (0 tok/s) gives no ratio."""
     mixed = {
-        "bf16": three((0.0, 0.0, 0.0), SAME, SAME),
+        "stock": three((0.0, 0.0, 0.0), SAME, SAME),
         "fp8-flashinfer": three((140.0, 150.0, 130.0), SAME, SAME),
     }
     rows = by_point(fp8kv_targets.target_rows([run({"mixed-c16": mixed})], "h100"))
-    assert rows["tok/s", "mixed-c16"]["status"] == "not measured"
-    assert rows["tok/s", "mixed-c16"]["ratio"] is None
+    assert rows["(c)/(d)", "tok/s", "mixed-c16"]["status"] == "not measured"
+    assert rows["(c)/(d)", "tok/s", "mixed-c16"]["ratio"] is None
 
 
 def test_rows_say_what_was_not_measured_and_what_is_not_a_target_on_the_h200():
     mixed = {
-        "bf16": three((100.0, 100.0, 100.0), SAME, SAME),
-        "fp8-flashinfer": three((140.0, 140.0, 140.0), SAME, SAME),
+        "stock": three((100.0, 100.0, 100.0), SAME, SAME),
+        "fp8-flashinfer": three((150.0, 150.0, 150.0), SAME, SAME),
     }
     only_mixed = [run({"mixed-c16": mixed})]
     rows = by_point(fp8kv_targets.target_rows(only_mixed, "h200"))
-    assert rows["TTFT p50 ms", "prefill-128k-c1"]["status"] == "not measured"
-    assert rows["ITL p50 ms", "decode-*"]["status"] == "not measured"
-    assert rows["tok/s", "decode-32k-c64"]["status"] == "not a target here"
-    assert rows["tok/s", "every point"]["status"] == "not measured"
-    assert rows["tok/s", "mixed-c16"]["status"] == "met"
+    assert rows["(c)/(d)", "TTFT p50 ms", "prefill-128k-c1"]["status"] == "not measured"
+    assert rows["(c)/(d)", "ITL p50 ms", "decode-32k-c8"]["status"] == "not measured"
+    assert rows["(c)/(d)", "tok/s", "mixed-c16"]["status"] == "met"
+    capacity = rows["(c)/(d)", "tok/s", "decode-32k-c64"]
+    assert capacity["status"] == "not a target here" and "detail" not in capacity
+    # The H200's (c)/(a) rows are its four points; (b) never ran: not measured.
+    assert [p for (letters, _, p) in rows if letters == "(c)/(a)"] == list(
+        fp8kv_targets.LEAN_POINTS
+    )
+    assert {rows[k]["status"] for k in rows if k[0] in ("(c)/(a)", "(c)/(b)")} == {"not measured"}
+    # On the H100, a capacity point no level recorded running counts for says so.
+    h100 = by_point(fp8kv_targets.target_rows(only_mixed, "h100"))
+    assert h100["(c)/(d)", "tok/s", "decode-32k-c64"]["status"] == "not measured"
+    assert h100["(c)/(d)", "tok/s", "decode-32k-c64"]["detail"] == (
+        "(c) running not recorded; (d) running not recorded; (a) running not recorded"
+    )
     with pytest.raises(ValueError, match="gpu must be one of"):
         fp8kv_targets.target_rows(only_mixed, "a100")
 
 
-def test_the_chain_to_stock_multiplies_the_two_measured_ratios():
-    chain = {
-        (row["point"], row["metric"]): row
-        for row in fp8kv_targets.stock_chain(main_runs() + stock_runs())
-    }
-    tok = chain["decode-32k-c8", "tok/s"]
-    assert tok["a/d"] == pytest.approx(1.1)
-    assert tok["c/a"] == pytest.approx(1.0)
-    ttft = chain["prefill-64k-c1", "TTFT p50 ms"]
-    assert ttft["a/d"] == pytest.approx(200.0 / 250.0)
-    assert ttft["c/a"] == pytest.approx(0.70)
-    assert ttft["c/d"] == pytest.approx(0.8 * 0.7)
-    assert chain["decode-32k-c8", "ITL p50 ms"]["c/d"] == pytest.approx(0.98)
-
-
 def test_ab_repeats_writes_the_targets_into_both_files(tmp_path, capsys):
-    for index, data in enumerate(main_runs() + stock_runs()):
+    for index, data in enumerate(lean_runs() + fp8_triton_runs()):
         (tmp_path / f"run{index}").mkdir()
         (tmp_path / f"run{index}" / "ab.json").write_text(json.dumps(data))
     out = tmp_path / "out"
-    argv = [str(tmp_path), "--out", str(out), "--arms", *KV_ARMS, "stock"]
+    argv = [str(tmp_path), "--out", str(out), "--arms", "stock", "fp8-flashinfer", "bf16"]
+    argv += ["fp8-triton"]
     assert ab_repeats.main([*argv, "--targets", "fp8kv"]) == 2
     assert "--targets needs --gpu" in capsys.readouterr().err
     assert ab_repeats.main([*argv, "--targets", "fp8kv", "--gpu", "h100"]) == 0
     summary = json.loads((out / "repeats.json").read_text())
     assert summary["targets"]["gpu"] == "h100"
-    assert summary["kv_cache_tokens"]["bf16"] == [610112]
+    assert "stock_chain" not in summary["targets"]
+    assert summary["kv_cache_tokens"]["stock"] == [512000]
     text = (out / "repeats.md").read_text()
-    assert "## Issue 41's targets on the H100" in text
-    assert "| TTFT p50 ms at most 0.55 | prefill-128k-c1 | (c)/(a) | 0.520 |" in text
-    assert "| prefill-64k-c1 | TTFT p50 ms | 0.800 | 0.700 | 0.560 |" in text
-    assert "KV cache per server (tokens, the server log's `KV cache size`): bf16 610,112" in text
+    assert "## Issue 53's lean targets on the H100" in text
+    assert "| TTFT p50 ms at most 0.5 | prefill-128k-c1 | (c)/(d) | 0.460 |" in text
+    assert "| tok/s at least 1 | mixed-c16 | (c)/(a) | 0.970 |" in text
+    assert "chain" not in text.lower()
 
 
 def test_the_bytes_per_token_the_doc_and_the_h100_config_state_are_the_models():
