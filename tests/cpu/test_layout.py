@@ -112,3 +112,30 @@ def test_every_script_a_doc_names_exists() -> None:
         if gone:
             missing[name] = gone
     assert missing == {}
+
+
+# A relative Markdown link: [text](target) or [text](target#anchor), not a URL.
+MARKDOWN_LINK = re.compile(r"\]\((?!\w+://|mailto:|#)([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def test_every_relative_link_in_a_markdown_file_resolves() -> None:
+    """A tracked Markdown file links only to files that are tracked too (a page moved under
+    results/ must be committed with the link). The round reports' plots are the exception:
+    they ship in the round's plots.tar.gz."""
+    tracked = set(
+        subprocess.run(
+            ["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+        ).stdout.split()
+    )
+    broken = []
+    for name in sorted(n for n in tracked if n.endswith(".md")):
+        page = REPO_ROOT / name
+        for target in MARKDOWN_LINK.findall(page.read_text(errors="replace")):
+            path = (page.parent / target).resolve()
+            if target.endswith(".png") and (page.parent / "plots.tar.gz").is_file():
+                continue
+            relative = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+            tracked_dir = any(n.startswith(f"{relative}/") for n in tracked)
+            if str(relative) not in tracked and not tracked_dir:
+                broken.append(f"{name} -> {target}")
+    assert broken == []
