@@ -25,6 +25,8 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from benchmarks.sparse_attention_warmup_memory import WarmupCase
+
 GIB = 1 << 30
 # cake_hopper_sm90._scratch's element sizes: uint32 partials, float32 statistics, uint32
 # counters.
@@ -54,7 +56,9 @@ def bucket_of(batch: int, bucket: int) -> int:
     return padded
 
 
-def decode_batches(launches: Iterable[tuple[str, int, int]], bucket: int | None) -> set:
+def decode_batches(
+    launches: Iterable[tuple[str, int, int]], bucket: int | None
+) -> set[tuple[int, int]]:
     """The ``(batch, query_len)`` of the decode launches, padded to buckets when asked."""
     return {
         (batch if bucket is None else bucket_of(batch, bucket), query_len)
@@ -100,17 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sms", type=int, default=132, help="the GPU's SM count")
     parser.add_argument("--bucket", type=int, help="pad decode batches to buckets of this")
     args = parser.parse_args(argv)
-    from vllm.models.minimax_m3.nvidia import sparse_attention_flashinfer as sa
-
-    geometry = sa.SparseAttentionWarmupGeometry(
+    geometry = WarmupCase(
+        name="command line",
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
-        scale=128**-0.5,
-        max_decode_query_len=1 + args.mtp,
-        max_num_decodes=args.max_num_seqs,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        block_table_width=-(-args.max_model_len // 128),
-    )
+        num_speculative_tokens=args.mtp,
+        max_model_len=args.max_model_len,
+    ).geometry()
     plans = {"as launched": plan_scratch(geometry, args.sms)}
     if args.bucket:
         plans[f"buckets of {args.bucket}"] = plan_scratch(geometry, args.sms, args.bucket)

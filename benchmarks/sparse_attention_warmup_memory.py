@@ -23,6 +23,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 GIB = 1 << 30
 
@@ -38,6 +39,20 @@ class WarmupCase:
     max_num_batched_tokens: int
     num_speculative_tokens: int
     max_model_len: int
+
+    def geometry(self) -> Any:
+        """The patched ``SparseAttentionWarmupGeometry`` of a TP rank with these settings."""
+        from vllm.models.minimax_m3.nvidia import sparse_attention_flashinfer as sa
+
+        return sa.SparseAttentionWarmupGeometry(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            scale=128**-0.5,
+            max_decode_query_len=1 + self.num_speculative_tokens,
+            max_num_decodes=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            block_table_width=-(-self.max_model_len // 128),
+        )
 
 
 CASES = (
@@ -61,15 +76,7 @@ def measure(case: WarmupCase) -> dict:
     torch.empty(1, device=device)
     torch.cuda.synchronize()
     free_before, total = torch.cuda.mem_get_info()
-    geometry = sa.SparseAttentionWarmupGeometry(
-        num_heads=case.num_heads,
-        num_kv_heads=case.num_kv_heads,
-        scale=128**-0.5,
-        max_decode_query_len=1 + case.num_speculative_tokens,
-        max_num_decodes=case.max_num_seqs,
-        max_num_batched_tokens=case.max_num_batched_tokens,
-        block_table_width=-(-case.max_model_len // 128),
-    )
+    geometry = case.geometry()
     launches = sa.warmup_launches(geometry)
     started = time.perf_counter()
     for launch in launches:

@@ -5,12 +5,14 @@ warm-up of each case (results/h100/sparse-attention-review/warmup-memory, measur
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 from vllm.models.minimax_m3.nvidia import sparse_attention_flashinfer as sa
 
 from benchmarks.decode_scratch_plan import bucket_of, decode_batches, plan_scratch
+from benchmarks.sparse_attention_warmup_memory import WarmupCase
 
 MEASURED = (
     Path(__file__).resolve().parents[3]
@@ -24,15 +26,8 @@ def _measured_cases() -> list[dict]:
 
 
 def _geometry(case: dict) -> sa.SparseAttentionWarmupGeometry:
-    return sa.SparseAttentionWarmupGeometry(
-        num_heads=case["num_heads"],
-        num_kv_heads=case["num_kv_heads"],
-        scale=128**-0.5,
-        max_decode_query_len=1 + case["num_speculative_tokens"],
-        max_num_decodes=case["max_num_seqs"],
-        max_num_batched_tokens=case["max_num_batched_tokens"],
-        block_table_width=-(-case["max_model_len"] // 128),
-    )
+    """The geometry of a measured case, from the settings the measurement recorded."""
+    return WarmupCase(**{field.name: case[field.name] for field in fields(WarmupCase)}).geometry()
 
 
 def test_the_measured_file_holds_the_cases_of_the_configs() -> None:
