@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_minimax.testing.engine_runs import jit_events_in
+
 ARMS = ("empty", "prebuilt", "carried")
 SERVER_COMMAND = "python3 -m vllm.entrypoints.openai.api_server"
 # Engine log lines: (key, pattern whose last group is the seconds).
@@ -60,8 +62,6 @@ LOG_SECONDS = (
 )
 INDEXER_ARTIFACTS = r"indexer warm-up: \d+ programs ready in [\d.]+s \((\d+) JIT cache artifacts"
 PREBUILT_LINE = r"MiniMax M3: (\d+ prebuilt FlashInfer programs .*|the prebuilt FlashInfer .*)"
-TRITON_AFTER_READY = r"Triton kernel JIT compilation during inference: (\w+)"
-CUTE_AFTER_READY = r"CuTeDSL [\w ]+ during inference: (\w+)"
 
 
 def _copy_tree(source: Path, target: Path) -> None:
@@ -150,8 +150,13 @@ def parse_log(text: str) -> dict[str, Any]:
     found["prebuilt_check"] = prebuilt[-1] if prebuilt else None
     found["flashinfer_build_lines"] = len(re.findall(r"Building JIT module ", text))
     found["cute_dsl_compile_lines"] = len(re.findall(r"Compiling CuTe-DSL kernel ", text))
-    found["triton_after_ready"] = sorted(set(re.findall(TRITON_AFTER_READY, text)))
-    found["cute_after_ready"] = sorted(set(re.findall(CUTE_AFTER_READY, text)))
+    after_ready = jit_events_in(text)
+    found["triton_after_ready"] = sorted(
+        {e["kernel"] for e in after_ready if e["event"] == "Triton kernel JIT compilation"}
+    )
+    found["cute_after_ready"] = sorted(
+        {e["kernel"] for e in after_ready if e["event"].startswith("CuTeDSL ")}
+    )
     return found
 
 
