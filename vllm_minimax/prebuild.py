@@ -41,7 +41,12 @@ from typing import Any
 
 from vllm_minimax import flashinfer_offline as offline
 from vllm_minimax import warmup
-from vllm_minimax.serve_config import ServeConfigError, read_serve_config
+from vllm_minimax.serve_config import (
+    ServeConfigError,
+    mapping_option,
+    read_serve_options,
+    serve_config_of,
+)
 
 INDEXER_WARMUP_MODULE = "vllm.models.minimax_m3.nvidia.indexer_flashinfer_warmup"
 SPARSE_ATTENTION_MODULE = "vllm.models.minimax_m3.nvidia.sparse_attention_flashinfer"
@@ -206,22 +211,16 @@ def _integer(options: dict[str, Any], key: str, path: Path, default: int | None)
 def read_engine_settings(path: Path, kv_cache_dtype: str | None = None) -> EngineSettings:
     """The keys of a `vllm serve` YAML that the warm-ups read; ``kv_cache_dtype`` overrides
     the file's (as ``--kv-cache-dtype`` on the `vllm serve` line does)."""
-    import yaml
-
     try:
-        serve = read_serve_config(path)
+        options = read_serve_options(path)
+        serve = serve_config_of(options, path)
+        speculative = (
+            mapping_option(options, "speculative-config", path)
+            if options.get("speculative-config")
+            else {}
+        )
     except ServeConfigError as error:
         raise PrebuildError(str(error)) from None
-    loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-    options = {str(key).replace("_", "-"): value for key, value in loaded.items()}
-    speculative = options.get("speculative-config") or {}
-    if isinstance(speculative, str):
-        try:
-            speculative = json.loads(speculative)
-        except json.JSONDecodeError as error:
-            raise PrebuildError(f"{path}: speculative-config is not JSON ({error})") from None
-    if not isinstance(speculative, dict):
-        raise PrebuildError(f"{path}: speculative-config must be a mapping")
     num_spec = speculative.get("num_speculative_tokens", 0) or 0
     if isinstance(num_spec, bool) or not isinstance(num_spec, int) or num_spec < 0:
         raise PrebuildError(f"{path}: num_speculative_tokens must be an integer, got {num_spec!r}")

@@ -183,6 +183,12 @@ def default_serve_config() -> ServeConfig:
 
 def read_serve_config(path: Path) -> ServeConfig:
     """Read ``path`` as `vllm serve --config` reads it; raise ServeConfigError naming the key."""
+    return serve_config_of(read_serve_options(path), path)
+
+
+def read_serve_options(path: Path) -> dict[str, Any]:
+    """The options of ``path`` as `vllm serve --config` reads them, each key with ``-`` for
+    ``_``; raise ServeConfigError when it is no YAML mapping."""
     if path.suffix not in CONFIG_SUFFIXES:
         raise ServeConfigError(f"{path}: vllm serve reads only .yaml or .yml config files")
     try:
@@ -197,7 +203,25 @@ def read_serve_config(path: Path) -> ServeConfig:
         raise ServeConfigError(f"{path}: cannot be read as YAML ({error})") from None
     if not isinstance(loaded, dict):
         raise ServeConfigError(f"{path}: a vllm serve config is a mapping of option names")
-    options = {str(key).replace("_", "-"): value for key, value in loaded.items()}
+    return {str(key).replace("_", "-"): value for key, value in loaded.items()}
+
+
+def mapping_option(options: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
+    """Option ``key`` (``{}`` when absent), which `vllm serve` takes as a mapping or as a
+    JSON object in a string; raise ServeConfigError for anything else."""
+    value = options.get(key, {})
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ServeConfigError(f"{path}: {key} is not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ServeConfigError(f"{path}: {key} must be a mapping, got {value!r}")
+    return value
+
+
+def serve_config_of(options: dict[str, Any], path: Path) -> ServeConfig:
+    """The `ServeConfig` of the options `read_serve_options` read from ``path``."""
 
     def integer(key: str, default: int | None) -> int | None:
         value = options.get(key, default)
@@ -207,14 +231,7 @@ def read_serve_config(path: Path) -> ServeConfig:
             raise ServeConfigError(f"{path}: {key} must be a positive integer, got {value!r}")
         return value
 
-    attention = options.get("attention-config", {})
-    if isinstance(attention, str):
-        try:
-            attention = json.loads(attention)
-        except json.JSONDecodeError as error:
-            raise ServeConfigError(f"{path}: attention-config is not JSON ({error})") from None
-    if not isinstance(attention, dict):
-        raise ServeConfigError(f"{path}: attention-config must be a mapping, got {attention!r}")
+    attention = mapping_option(options, "attention-config", path)
     kv_cache_dtype = options.get("kv-cache-dtype", "auto")
     if not isinstance(kv_cache_dtype, str):
         raise ServeConfigError(f"{path}: kv-cache-dtype must be a string, got {kv_cache_dtype!r}")
