@@ -9,6 +9,8 @@ import json
 import shlex
 import statistics
 import sys
+import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -436,3 +438,96 @@ def test_the_script_serves_the_rotated_arms_with_three_rounds_and_the_fourth_arm
     assert [a.split("=")[0] for a in arms] == ["fp8-flashinfer", "stock"]
     refused = run_bash(code, PYTHONPATH=f"{SCRIPT.parent.parent}", SERVED_ARMS="stock nope")
     assert refused.returncode == 2 and "no arm nope" in refused.stderr
+
+
+FAKE_EVAL = """
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[sys.argv.index("--out") + 1])
+record = json.loads(pathlib.Path(sys.argv[1]).read_text())
+for arm in record["arms"]:
+    log = out / arm["name"] / "round-1" / "server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(sys.argv[2] + "Loading 50%|##   | 1/2 [00:01<00:01, 1.00it/s]\\n")
+    (out / arm["name"] / "serve.yaml").write_text("max-model-len: 1024\\n")
+(out / "ab.json").write_text(json.dumps(record))
+print("eval ab: done")
+"""
+
+
+def test_the_detached_phase_summarises_and_collects_a_compact_set(tmp_path):
+    """served_detached with a stand-in eval ab: run.sh's quoting, summarise with the minutes
+    and the machine's ledger, exit-status, and served_collect's files (at most eight, two
+    folders under $OUT) with the server logs' progress bars dropped."""
+    record = ab_record(
+        {"stock": STOCK_ROUNDS, "fp8-flashinfer": C_ROUNDS}, ["stock", "fp8-flashinfer"]
+    )
+    (tmp_path / "ab.json").write_text(json.dumps(record))
+    (tmp_path / "fake_eval.py").write_text(FAKE_EVAL)
+    names = ("served_detached", "served_collect", "ab_wait")
+    picks = ";".join(f"/^{name}() {{/,/^}}/p" for name in names)
+    out = tmp_path / "OUT" / "served-ab" / "mxfp8-ep"
+    root = tmp_path / "m3ab"
+    root.mkdir()
+    code = (
+        f"set -uo pipefail; source <(sed -n '{picks}' {SCRIPT}); "
+        "sample_gpu() { :; }; sample_host() { :; }; "
+        f"tag=served-rep1 card=h200 slice=mxfp8-ep served_out={out} out={out}; "
+        "arm_names=(stock fp8-flashinfer); "
+        f"ab_cmd=(python3 {tmp_path / 'fake_eval.py'} {tmp_path / 'ab.json'}"
+        f" {shlex.quote(START_LOG)}); "
+        "served_detached"
+    )
+    env = {"M3AB_ROOT": str(root), "WAIT_S": "0", "PYTHONPATH": str(SCRIPT.parent.parent)}
+    done = run_bash(code, **env)
+    assert done.returncode == 0, done.stderr
+    assert "starts 461 s" in done.stdout  # the plan of two arms, printed at the start
+    status = root / "served-rep1" / "exit-status"
+    for _ in range(300):
+        if status.exists():
+            break
+        time.sleep(0.1)
+    assert status.read_text().strip() == "0", (root / "served-rep1" / "summary.log").read_text()
+    assert (root / "served-started-mxfp8-ep").read_text().split() == ["stock", "fp8-flashinfer"]
+    again = run_bash(f"source <(sed -n '{picks}' {SCRIPT}); ab_wait 0", **env)
+    assert again.returncode == 0, again.stderr
+    assert "finished: exit status 0" in again.stdout
+    files = sorted(p.name for p in out.iterdir())
+    assert files == [
+        "exit-status", "log.txt", "logs.tar.gz", "repeats.json", "report.md", "starts.json",
+        "summary.json",
+    ]  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["device_minutes"] is not None and summary["device_minutes"] < 5
+    assert summary["arms"]["fp8-flashinfer"]["ttft_128k_ratio"] == pytest.approx(2500 / 5200)
+    starts = json.loads((out / "starts.json").read_text())
+    assert [s["phases"]["jit_warmup_s"] for s in starts] == [57.1, 57.1]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        members = {m.name.removeprefix("./") for m in tar.getmembers() if m.isfile()}
+        log = tar.extractfile("./stock/server.log").read().decode()
+    assert {"ab.json", "stock/server.log", "stock/serve.yaml", "run.sh"} <= members
+    assert "it/s]" not in log and "JIT kernel warmup finished" in log
+    # A second round of the same tag on this machine is refused.
+    assert run_bash(code, **env).returncode == 2
+    # eval ab exits 0 but a round is missing: exit-status says so (summarise's 1).
+    record["arms"][0]["throughput"]["scenarios"][0]["levels"].pop()
+    (tmp_path / "ab.json").write_text(json.dumps(record))
+    assert run_bash(code.replace("served-rep1", "served-rep2"), **env).returncode == 0
+    status = root / "served-rep2" / "exit-status"
+    for _ in range(300):
+        if status.exists():
+            break
+        time.sleep(0.1)
+    assert status.read_text().strip() == "1"
+    # The ledger now says both arms started before: the second run's starts are later ones.
+    again = run_bash(f"source <(sed -n '{picks}' {SCRIPT}); ab_wait 0", **env)
+    assert "finished: exit status 1" in again.stdout
+    starts = json.loads((out / "starts.json").read_text())
+    assert [s["start"] for s in starts] == ["later", "later"]
+
+
+def test_the_served_phase_makes_and_checks_the_stock_copy_before_it_starts():
+    text = SCRIPT.read_text()
+    phase = text[text.index("    served-start)\n") : text.index("    served-wait)\n")]
+    assert phase.index("served_round") < phase.index("stock_imported || exit 4")
+    assert phase.index("stock_imported") < phase.index("served_detached")
+    assert 'if [ "$phase" = lean-start ] || [ "$phase" = served-start ]; then' in text
