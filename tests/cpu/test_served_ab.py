@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_fp8kv_ab import SCRIPT, run_bash
+from patchset_helpers import installed_vllm_site
+from test_fp8kv_ab import SCRIPT, dataclass_fields, run_bash, script_output
 from test_server_figures import STAND_IN_SERVER
 
 from benchmarks import served_ab
@@ -531,3 +532,20 @@ def test_the_served_phase_makes_and_checks_the_stock_copy_before_it_starts():
     assert phase.index("served_round") < phase.index("stock_imported || exit 4")
     assert phase.index("stock_imported") < phase.index("served_detached")
     assert 'if [ "$phase" = lean-start ] || [ "$phase" = served-start ]; then' in text
+
+
+def test_the_stock_arm_on_the_mxfp8_slice_asks_stock_vllm_only_what_it_knows():
+    """The MXFP8 slice's checkpoint config, with the stock arm merged in: only stock vLLM
+    0.34.0's EngineArgs and AttentionConfig fields, the index cache left at stock's default."""
+    site = installed_vllm_site() / "vllm"
+    stock_attention = dataclass_fields(site / "config" / "attention.py", "AttentionConfig")
+    engine = dataclass_fields(site / "engine" / "arg_utils.py", "EngineArgs")
+    [line] = script_output("fp8kv_arm stock").splitlines()
+    config = ab.load_serve_config(
+        SCRIPT.parent.parent / "evals" / "m3-tp8-rank-checkpoint-serve.yaml"
+    )
+    stock = ab.merge_server_args(config, ab.parse_arm(line).server_args)
+    assert {key.replace("-", "_") for key in stock} <= engine
+    assert "indexer_kv_dtype" not in stock.get("attention-config", {})
+    assert set(stock.get("attention-config", {})) <= stock_attention
+    assert "kv-cache-dtype" not in stock and "quantization" not in stock
