@@ -422,7 +422,8 @@ def test_the_script_serves_the_rotated_arms_with_three_rounds_and_the_fourth_arm
     assert lines[0] == "tag: served-rep2"
     argv = lines[1:]
     arms = [ab.parse_arm(argv[i + 1]) for i, word in enumerate(argv) if word == "--arm"]
-    assert [arm.name for arm in arms] == ["bf16", "fp8-flashinfer", "w8a8", "stock"]
+    # The default arms (c) (e) (a), then (w), rotated by one place at REP 2.
+    assert [arm.name for arm in arms] == ["stock", "bf16", "w8a8", "fp8-flashinfer"]
     envs = [argv[i + 1] for i, word in enumerate(argv) if word == "--arm-env"]
     assert "w8a8:K=V" in envs and any(e.startswith("stock:PYTHONPATH=/stock-copy") for e in envs)
     assert argv[argv.index("--server-rounds") + 1] == "3"
