@@ -142,18 +142,26 @@ def collect(ab: Mapping[str, Any], gpu: str) -> dict[str, Any]:
     }
 
 
-def values(repeats: Mapping[str, Any], arm: str, point: str) -> list[float]:
+def round_values(repeats: Mapping[str, Any], arm: str, point: str) -> dict[int, float]:
+    """The arm's value at the point, by round (rounds that measured nothing left out)."""
     entries = repeats["arms"].get(arm, {}).get("points", {}).get(point, [])
-    return [entry["value"] for entry in entries if entry["value"] is not None]
+    return {entry["round"]: entry["value"] for entry in entries if entry["value"] is not None}
 
 
-def ratio_entry(arm_values: Sequence[float], stock_values: Sequence[float]) -> dict[str, Any]:
-    """The arm's median over stock's, and the ratio paired round by round (min, max)."""
-    if not arm_values or not stock_values:
+def values(repeats: Mapping[str, Any], arm: str, point: str) -> list[float]:
+    return list(round_values(repeats, arm, point).values())
+
+
+def ratio_entry(
+    arm_rounds: Mapping[int, float], stock_rounds: Mapping[int, float]
+) -> dict[str, Any]:
+    """The arm's median over stock's, and the ratio paired round by round (min, max): each
+    arm's round with stock's round of the same number."""
+    if not arm_rounds or not stock_rounds or not statistics.median(stock_rounds.values()):
         return {"ratio": None, "paired": [], "spread": None}
-    paired = [a / s for a, s in zip(arm_values, stock_values, strict=False) if s]
+    paired = [arm_rounds[r] / stock_rounds[r] for r in sorted(arm_rounds) if stock_rounds.get(r)]
     return {
-        "ratio": statistics.median(arm_values) / statistics.median(stock_values),
+        "ratio": statistics.median(arm_rounds.values()) / statistics.median(stock_rounds.values()),
         "paired": paired,
         "spread": [min(paired), max(paired)] if paired else None,
     }
@@ -184,7 +192,9 @@ def summarise(
         spread: dict[str, Any] = {}
         for point in POINTS[gpu]:
             goal = goal_of(point)
-            entry = ratio_entry(values(repeats, arm, point), values(repeats, STOCK, point))
+            entry = ratio_entry(
+                round_values(repeats, arm, point), round_values(repeats, STOCK, point)
+            )
             figures[goal.key] = entry["ratio"]
             spread[goal.key] = entry["spread"]
             targets.append(

@@ -139,6 +139,21 @@ def test_a_missing_round_or_stock_arm_says_incomplete():
     assert all(row["status"] == "not measured" for row in no_stock["targets"])
 
 
+def test_a_round_is_paired_with_stocks_round_of_the_same_number():
+    record = ab_record({"stock": STOCK_ROUNDS, "fp8-flashinfer": C_ROUNDS}, ["stock"])
+    [c_mixed] = [
+        sc for sc in record["arms"][1]["throughput"]["scenarios"] if sc["name"] == "mixed-c16"
+    ]
+    del c_mixed["levels"][1]  # (c)'s round 2 at mixed-c16 failed: rounds 1 and 3 remain
+    summary = served_ab.summarise(
+        served_ab.collect(record, "h200"), "h200", "mxfp8-ep", "abc123", None
+    )
+    [row] = [r for r in summary["targets"] if r["point"] == "mixed-c16"]
+    assert row["paired"] == pytest.approx([1600 / 1000, 1300 / 1100])
+    assert row["ratio"] == pytest.approx(statistics.median([1600, 1300]) / 1000)
+    assert not summary["complete"]
+
+
 def test_the_h100_adds_the_capacity_ratio():
     capacity = {"decode-32k-c64": [800.0, 820.0, 810.0]}
     summary = summary_of(
