@@ -565,3 +565,24 @@ def test_the_stock_arm_on_the_mxfp8_slice_asks_stock_vllm_only_what_it_knows():
     assert "indexer_kv_dtype" not in stock.get("attention-config", {})
     assert set(stock.get("attention-config", {})) <= stock_attention
     assert "kv-cache-dtype" not in stock and "quantization" not in stock
+
+
+def test_server_rounds_reach_eval_ab_and_a_bad_count_is_refused(tmp_path, capsys, monkeypatch):
+    from vllm_minimax.cli import main
+
+    seen = {}
+
+    def fake_run_ab(*args, **kwargs):
+        seen.update(kwargs)
+        (tmp_path / "o").mkdir()
+        (tmp_path / "o" / "report.md").write_text("report\n")
+        return {"accuracy_passed": True}
+
+    monkeypatch.setattr(ab, "run_ab", fake_run_ab)
+    argv = ["eval", "ab", "--model", "m", "--no-accuracy", "--throughput-preset", "none"]
+    argv += ["--arm", "a={}", "--arm", "b={}", "--repeat", "1", "--out", str(tmp_path / "o")]
+    assert main([*argv, "--server-rounds", "3"]) == 0
+    assert seen["server_rounds"] == 3 and seen["repeat"] == 1
+    monkeypatch.undo()
+    assert main([*argv, "--server-rounds", "0"]) == 2
+    assert "--server-rounds must be 1 or more, got 0" in capsys.readouterr().err
