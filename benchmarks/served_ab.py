@@ -74,6 +74,14 @@ GOALS = (
     Goal("capacity_tok_s_ratio", "decode-32k-c64", TOK_S, 1.4, AT_LEAST, ("h100",)),
 )
 POINTS = {gpu: tuple(goal.point for goal in GOALS if gpu in goal.gpus) for gpu in GPUS}
+# benchmarks.step_profile's point nearest each served point.
+PROFILE_POINT = {
+    "prefill-128k-c1": "prefill",
+    "prefill-32k-c4": "prefill",
+    "decode-32k-c8": "decode",
+    "mixed-c16": "mixed",
+    "decode-32k-c64": "decode",
+}
 ARM_LETTERS = {STOCK: "e", "bf16": "a", "fp8-flashinfer": "c", "w8a8": "w"}
 
 
@@ -340,6 +348,16 @@ def markdown(
             "| output tok/s at `decode-32k-c64` at least 1.4 of stock | - | - | - |"
             " not a target here (the H100's capacity point) |"
         )
+    missed = sorted(
+        {PROFILE_POINT[row["point"]] for row in summary["targets"] if row["status"] == "missed"}
+    )
+    if missed:
+        lines += [
+            "",
+            "For a missed goal, the kernel family that holds it comes from the step profile of"
+            " the arms at that point: `scripts/gpu-rank-slice fp8kv-profile --points"
+            f" {' '.join(missed)}` (docs/fp8-kv-ab.md).",
+        ]
     if summary["missing"]:
         lines += ["", "**Incomplete:** " + "; ".join(summary["missing"]) + "."]
     lines += ["", "## Each arm, median [min-max] of the rounds", ""]

@@ -183,6 +183,8 @@ def test_the_report_opens_with_the_target_table():
         " 0.480-0.889 | met |"
     ) in table
     assert "not a target here" in text
+    # (a) missed every goal: the profile points for the four.
+    assert "fp8kv-profile --points decode mixed prefill`" in text
     assert "| (e) stock | 5200 [5000-9000] | 1100 [1000-1200] | 21 [20-40] |" in text
 
 
