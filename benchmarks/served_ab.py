@@ -317,7 +317,8 @@ def _spread(spread: Sequence[float] | None) -> str:
 def _value(value: float | None, metric: str) -> str:
     if value is None:
         return "-"
-    return f"{value:.1f}" if metric == TOK_S else f"{value:.0f}"
+    digits = {TOK_S: 1, ITL: 2}.get(metric, 0)
+    return f"{value:.{digits}f}"
 
 
 def markdown(
@@ -378,19 +379,28 @@ def markdown(
         lines.append(f"| ({letter}) {arm} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "| arm | KV cache tokens | ran at once (max, per point) | error |",
-        "|---|---|---|---|",
+        "| arm | KV cache tokens | ran at once (max, per point) | `decode-32k-c8` TTFT p50 ms"
+        " by round (prefix-cache hits are short) | error |",
+        "|---|---|---|---|---|",
     ]
     for arm, record in repeats["arms"].items():
         kv = ", ".join(f"{t:,}" for t in record["kv_cache_tokens"]) or "-"
         running = "; ".join(
-            f"{point} {max((e['running_max'] or 0) for e in entries)}"
+            f"{point} {max((e['running_max'] or 0) for e in entries):g}"
             for point, entries in record["points"].items()
             if entries
         )
-        lines.append(f"| {arm} | {kv} | {running or '-'} | {record.get('error') or ''} |")
+        decode_ttft = ", ".join(
+            _value(e["ttft_p50_ms"], TTFT) for e in record["points"].get("decode-32k-c8", [])
+        )
+        lines.append(
+            f"| {arm} | {kv} | {running or '-'} | {decode_ttft or '-'} |"
+            f" {record.get('error') or ''} |"
+        )
     lines += ["", "## Server starts (not timed into the rounds)", ""]
-    lines.append("| arm | start on this machine | n-th server here | ready s | phases (s) |")
+    lines.append(
+        "| arm | start on this machine | n-th server here | ready s | phases (s; `_gib`: GiB) |"
+    )
     lines.append("|---|---|---|---|---|")
     for entry in start_list:
         phases = ", ".join(f"{k} {v:g}" for k, v in entry["phases"].items())
@@ -411,8 +421,10 @@ def markdown(
         " prompts are prefilled by its warm-up and found in the prefix cache in every round,"
         " so its ITL is of decode steps alone (a round whose TTFT p50 is not short missed"
         " the cache: see repeats.json's `ttft_p50_ms`).",
-        "- KV-cache capacity is each server's logged `GPU KV cache size` (above); on the H200"
-        " no point needs more than any arm holds, so its ratios are the kernels'.",
+        "- KV-cache capacity is each server's logged `GPU KV cache size` (above), not a point"
+        " of its own except the H100's `decode-32k-c64`. Where the arms ran different numbers"
+        " of requests at once at a point (the column above), that point compares capacity,"
+        " not kernels.",
     ]
     return "\n".join(lines) + "\n"
 

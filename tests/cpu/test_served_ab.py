@@ -185,7 +185,9 @@ def test_the_report_opens_with_the_target_table():
     assert "not a target here" in text
     # (a) missed every goal: the profile points for the four.
     assert "fp8kv-profile --points decode mixed prefill`" in text
-    assert "| (e) stock | 5200 [5000-9000] | 1100 [1000-1200] | 21 [20-40] |" in text
+    # The decode point's TTFT by round, which shows the prefix-cache hits (poisoned here).
+    assert "| stock | 1,000 | prefill-128k-c1 4; prefill-32k-c4 4; decode-32k-c8 4;" in text
+    assert "| (e) stock | 5200 [5000-9000] | 1100 [1000-1200] | 21.00 [20.00-40.00] |" in text
 
 
 def test_the_rotation_puts_each_arm_in_each_place():
