@@ -435,7 +435,9 @@ def test_the_script_serves_the_rotated_arms_with_three_rounds_and_the_fourth_arm
         "model=/m serve_config=c.yaml routing=R=1 stock=/stock-copy card=h200; "
         'served_round 2; echo "tag: $tag"; printf "%s\\n" "${ab_cmd[@]}"'
     )
-    done = run_bash(code, PYTHONPATH=f"{SCRIPT.parent.parent}", W8A8_ARGS=str(extra))
+    done = run_bash(
+        code, PYTHONPATH=f"{SCRIPT.parent.parent}", W8A8_ARGS=str(extra), TMPDIR=str(tmp_path)
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "tag: served-rep2"
@@ -451,13 +453,20 @@ def test_the_script_serves_the_rotated_arms_with_three_rounds_and_the_fourth_arm
     w8a8 = next(arm for arm in arms if arm.name == "w8a8")
     assert w8a8.server_args["kv-cache-dtype"] == "fp8"
     assert w8a8.server_args["quantization-config"] == {"w8a8": True}
-    preset = yaml.safe_load(Path("/tmp/m3-rank-served-served-rep2.yaml").read_text())
+    preset = yaml.safe_load((tmp_path / "m3-rank-served-served-rep2.yaml").read_text())
     assert [s["name"] for s in preset["scenarios"]] == list(POINTS)
     # Without W8A8_ARGS: three arms; an unknown arm is refused.
-    done = run_bash(code, PYTHONPATH=f"{SCRIPT.parent.parent}", SERVED_ARMS="stock fp8-flashinfer")
+    done = run_bash(
+        code,
+        PYTHONPATH=f"{SCRIPT.parent.parent}",
+        SERVED_ARMS="stock fp8-flashinfer",
+        TMPDIR=str(tmp_path),
+    )
     arms = [line for line in done.stdout.splitlines() if line.startswith(("stock=", "fp8-"))]
     assert [a.split("=")[0] for a in arms] == ["fp8-flashinfer", "stock"]
-    refused = run_bash(code, PYTHONPATH=f"{SCRIPT.parent.parent}", SERVED_ARMS="stock nope")
+    refused = run_bash(
+        code, PYTHONPATH=f"{SCRIPT.parent.parent}", SERVED_ARMS="stock nope", TMPDIR=str(tmp_path)
+    )
     assert refused.returncode == 2 and "no arm nope" in refused.stderr
 
 
