@@ -159,7 +159,10 @@ def test_the_stock_arm_is_checked_to_import_the_copy(tmp_path):
     assert done.returncode == 4 and "the stock arm would import" in done.stderr
     # The phase makes the copy first, and checks the import before it starts the round.
     text = SCRIPT.read_text()
-    assert 'if [ "$phase" = lean-start ]; then\n    stock_vllm "$site" "$stock"' in text
+    assert (
+        'if [ "$phase" = lean-start ] || [ "$phase" = served-start ]; then\n'
+        '    stock_vllm "$site" "$stock"'
+    ) in text
     phase = text[text.index("    lean-start)\n") : text.index("    lean-fp8triton-start)\n")]
     assert phase.index("lean_round") < phase.index("stock_imported || exit 4")
     assert phase.index("stock_imported") < phase.index("start_detached")

@@ -15,7 +15,9 @@ stock vLLM beside the patched one. The default arms are MiniMax M3's two indexer
 Arms run one after another, each on a server of its own, started and stopped here, in
 ``--repeat`` rounds (default 3) whose order rotates (A B C, B C A, C A B, ...; with two arms
 A B, B A), so that each arm takes each place in turn and a drift of the machine weighs on
-every arm; the reports give each level's median over the rounds and its min..max. Each
+every arm; the reports give each level's median over the rounds and its min..max. With
+``--server-rounds N`` each server runs the throughput preset N times over (the rounds of one
+server's life: one start per arm where a start costs more than the levels). Each
 server's KV cache size (its log's ``KV cache size`` line) is kept with its round, and each
 level's record says how many requests ran at once (:mod:`.server_figures`). Accuracy runs
 in the first round only (greedy decoding: a second run repeats the first). The first arm
@@ -204,11 +206,14 @@ def run_ab(
     repeat: int = DEFAULT_REPEAT,
     timeouts: RequestTimeouts | None = None,
     client: str = "vllm-bench",
+    server_rounds: int = 1,
 ) -> dict[str, Any]:
     if len({arm.name for arm in arms}) != len(arms) or len(arms) < 2:
         raise EvalError("eval ab needs at least two arms with different names")
     if repeat < 1:
         raise EvalError(f"--repeat must be 1 or more, got {repeat}")
+    if server_rounds < 1:
+        raise EvalError(f"--server-rounds must be 1 or more, got {server_rounds}")
     config = load_serve_config(config_path)
     if throughput_preset is not None and any(
         scenario_client(scenario, client) == "vllm-bench"
@@ -232,6 +237,7 @@ def run_ab(
         ],
         "z": z,
         "repeat": repeat,
+        "server_rounds": server_rounds,
         "round_order": [[arm.name for arm in round_order(arms, r)] for r in range(repeat)],
         "arms": [
             {
@@ -260,7 +266,7 @@ def run_ab(
                 run_arm(arm, records[arm.name], round_index, launch, config,
                         accuracy_presets if round_index == 0 else [], throughput_preset,
                         vocabulary, out_dir / arm.name, tokenizer, limit, timeouts,
-                        client)  # fmt: skip
+                        client, server_rounds)  # fmt: skip
                 write_outputs(ab, out_dir)
     except EvalError as error:
         if current_arm:
@@ -289,8 +295,11 @@ def run_arm(
     limit: int | None,
     timeouts: RequestTimeouts | None,
     client: str = "vllm-bench",
+    server_rounds: int = 1,
 ) -> None:
-    """One round of one arm: its own server; accuracy (first round only), then throughput.
+    """One round of one arm: its own server; accuracy (first round only), then throughput,
+    ``server_rounds`` times on that server (its levels numbered from
+    ``round_index * server_rounds``).
 
     The levels measured go into ``record`` also when the round fails or is interrupted."""
     round_dir = arm_dir / f"round-{round_index + 1}"
@@ -338,7 +347,8 @@ def run_arm(
                     run_throughput(
                         throughput_preset, server.base_url, launch.model, throughput_file,
                         vocabulary, on_level_done=server.check_alive, timeouts=timeouts,
-                        round_index=round_index, client=client, tokenizer=tokenizer,
+                        round_index=round_index * server_rounds, repeat=server_rounds,
+                        client=client, tokenizer=tokenizer,
                     )  # fmt: skip
             except EvalError as error:
                 # A dead server explains a failed request or lm-eval run better than either.

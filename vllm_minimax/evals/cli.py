@@ -207,6 +207,14 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
         help="rounds; each starts every arm's server anew, the order rotating per round"
         " (default: 3)",
     )
+    ab_parser.add_argument(
+        "--server-rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="throughput rounds on each server before it stops (default: 1); with --repeat 1,"
+        " one start per arm",
+    )
     timeout_options(ab_parser)
     ab_parser.add_argument(
         "--server-command",
@@ -423,6 +431,7 @@ def run_eval_ab(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         timeouts=timeouts,
         client=args.client,
+        server_rounds=args.server_rounds,
     )
     print((args.out / "report.md").read_text(encoding="utf-8"))
     return 0 if result["accuracy_passed"] else 1

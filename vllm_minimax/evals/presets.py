@@ -276,6 +276,10 @@ class ThroughputScenario:
     shapes: list[RequestShape]
     concurrency: list[int]
     num_requests: int
+    # The same prompts in every round, and the warm-up sends them first: the measured levels
+    # then find the prompts in the prefix cache and time decode steps alone (a decode point
+    # whose requests would otherwise decode beside the others' prefill chunks).
+    prefix_cached: bool = False
 
     @property
     def fixed_shape(self) -> bool:
@@ -297,7 +301,7 @@ class ThroughputPreset:
         )
 
 
-SCENARIO_KEYS = ("name", "shapes", "concurrency", "num_requests")
+SCENARIO_KEYS = ("name", "shapes", "concurrency", "num_requests", "prefix_cached")
 SHAPE_KEYS = ("input_tokens", "output_tokens")
 
 
@@ -324,7 +328,14 @@ def _scenario(entry: Any, where: _Where) -> ThroughputScenario:
             _positive_int(c, where / "concurrency" / i) for i, c in enumerate(concurrency)
         ],
         num_requests=_positive_int(entry.get("num_requests"), where / "num_requests"),
+        prefix_cached=_boolean(entry.get("prefix_cached", False), where / "prefix_cached"),
     )
+
+
+def _boolean(value: Any, where: _Where) -> bool:
+    if not isinstance(value, bool):
+        raise where.error(f"expected true or false, got {value!r}")
+    return value
 
 
 def load_throughput_preset(name_or_path: str) -> ThroughputPreset:

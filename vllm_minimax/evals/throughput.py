@@ -20,6 +20,9 @@ level's record says how many requests the server ran at once (max and median) an
 waited, so a level that queued for want of KV cache shows it.
 Before its first level each scenario sends one unrecorded request per shape (prompts of their
 own), so JIT compilation and first-use allocations for those shapes land outside the numbers.
+A scenario marked ``prefix_cached`` sends the same prompts in every round, and its warm-up
+sends the level's own prompts: the measured levels find them in the prefix cache, so a decode
+level times decode steps alone rather than decode beside the other requests' prefill.
 
 Before any request the server is checked: ``/health`` answers, ``/v1/models`` lists the
 model, and the preset's longest request fits the model's ``max_model_len``.
@@ -333,10 +336,12 @@ def check_fits(preset: ThroughputPreset, served: ServedModel, base_url: str) -> 
 
 
 def scenario_client(scenario: ThroughputScenario, client: str) -> str:
-    """``vllm-bench`` for a one-shape scenario unless ``client`` is ``own``; mixed: ``own``."""
+    """``vllm-bench`` for a one-shape scenario unless ``client`` is ``own``; mixed, or a
+    prefix-cached scenario (whose warm-up must send the very prompts the level sends): ``own``."""
     if client not in CLIENTS:
         raise EvalError(f"--client {client!r}: expected one of {', '.join(CLIENTS)}")
-    return "vllm-bench" if client == "vllm-bench" and len(scenario.shapes) == 1 else "own"
+    one_shape = len(scenario.shapes) == 1 and not scenario.prefix_cached
+    return "vllm-bench" if client == "vllm-bench" and one_shape else "own"
 
 
 def missing_levels(results: dict[str, Any], first_round: int = 0) -> list[str]:
@@ -440,7 +445,10 @@ def run_throughput(
         round_number: int,
         label: str,
     ) -> dict[str, Any]:
-        seed = level_seed(preset.seed, scenario.name, level_index, concurrency, round_number)
+        seed = level_seed(
+            preset.seed, scenario.name, level_index, concurrency,
+            0 if scenario.prefix_cached else round_number,
+        )  # fmt: skip
         if record["client"] == "own":
             prompts = scenario_prompts(scenario, vocabulary, seed)
             timings, duration = send(prompts, concurrency, label)
@@ -469,8 +477,15 @@ def run_throughput(
             for scenario, record in zip(preset.scenarios, results["scenarios"], strict=True):
                 if offset == 0:
                     label = f"throughput {scenario.name} warm-up"
-                    warmup = warmup_prompts(scenario, vocabulary, preset.seed)
-                    send(warmup, len(warmup), label)
+                    if scenario.prefix_cached:
+                        for level_index, concurrency in enumerate(scenario.concurrency):
+                            seed = level_seed(
+                                preset.seed, scenario.name, level_index, concurrency, 0
+                            )
+                            send(scenario_prompts(scenario, vocabulary, seed), concurrency, label)
+                    else:
+                        warmup = warmup_prompts(scenario, vocabulary, preset.seed)
+                        send(warmup, len(warmup), label)
                 for level_index, concurrency in enumerate(scenario.concurrency):
                     label = f"throughput {scenario.name} concurrency {concurrency}"
                     if repeat > 1 or round_number:
