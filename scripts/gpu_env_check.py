@@ -10,7 +10,11 @@ the checkout first on PYTHONPATH. It checks, without importing vLLM:
   (``vllm-minimax status``'s check: staged on copies, nothing written), and the tree writable
   when it is not applied yet;
 - FlashInfer: ``flashinfer-python`` at least :data:`FLASHINFER_MIN`;
-- the GPU: torch with a CUDA GPU of one of the compute capabilities named.
+- the GPU: torch with a CUDA GPU of one of the compute capabilities named;
+- the target: the scripts patch that vLLM (and revert it on exit) for every program that
+  imports it, so it must lie inside the virtual environment python3 runs in, or be named in
+  :data:`TARGET_ENV` (the lent GPU machine's ``pip --target`` directory on ``PYTHONPATH``,
+  say). A user's own install (as root, the system's site-packages) is refused otherwise.
 
 Ready: three lines on standard output, the directory that holds the ``vllm`` package, vLLM's
 version, and a summary. Otherwise one line on standard error naming everything missing, exit 3.
@@ -31,6 +35,8 @@ from vllm_minimax.patchset import find_vllm_root, read_vllm_version, series_stat
 
 FLASHINFER_MIN = (0, 7, 4)
 EXIT_MISSING = 3
+# Names the directory holding the vllm package the scripts may patch outside a venv.
+TARGET_ENV = "VLLM_MINIMAX_GPU_TARGET"
 
 
 def release(version: str) -> tuple[int, ...]:
@@ -76,6 +82,33 @@ def check_series(root: Path, version: str, missing: list[str]) -> str:
         missing.append(f"{label} (not applied, and {root / 'vllm'} is not writable)")
         return "not writable"
     return "appliable"
+
+
+def check_target(root: Path, missing: list[str]) -> str:
+    """Why the scripts may patch ``root``: named in TARGET_ENV, or inside this Python's
+    virtual environment; what is missing added otherwise."""
+    named = os.environ.get(TARGET_ENV)
+    if named:
+        if Path(named).resolve() != root.resolve():
+            missing.append(
+                f"the vLLM {TARGET_ENV} names ({TARGET_ENV}={named}, but python3 imports vllm"
+                f" from {root})"
+            )
+        return f"named by {TARGET_ENV}"
+    prefix = Path(sys.prefix).resolve()
+    if sys.prefix != sys.base_prefix and root.resolve().is_relative_to(prefix):
+        return f"in the virtual environment {prefix}"
+    where = (
+        f"not inside the virtual environment python3 runs in ({prefix})"
+        if sys.prefix != sys.base_prefix
+        else "not in a virtual environment"
+    )
+    missing.append(
+        f"a vLLM the script may patch ({root} is {where}: the script applies this checkout's"
+        f" series there for every program that imports it; run it in a virtual environment"
+        f" of its own, or export {TARGET_ENV}={root} to name that directory)"
+    )
+    return "refused"
 
 
 def check_flashinfer(missing: list[str]) -> str | None:
@@ -124,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     missing: list[str] = []
     found = check_vllm(args.vllm, missing)
     series = check_series(*found, missing) if found else None
+    target = check_target(found[0], missing) if found else None
     flashinfer = check_flashinfer(missing)
     gpu = check_gpu(args.capability, missing)
     hook = os.environ.get("VLLM_MINIMAX_GPU_ENV_HOOK") or "none"
@@ -139,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     print(version)
     print(
         f"{args.name}: vLLM {version} in {root} (series {series}), FlashInfer {flashinfer},"
-        f" {gpu} [python: {sys.executable}; VLLM_MINIMAX_GPU_ENV_HOOK: {hook}]"
+        f" {gpu} [python: {sys.executable}; target: {target};"
+        f" VLLM_MINIMAX_GPU_ENV_HOOK: {hook}]"
     )
     return 0
 

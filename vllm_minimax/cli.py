@@ -188,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="ask vLLM and FlashInfer again even when this environment's answers are stored"
         " (doctor stores them, keyed on the installed packages, the series state, the"
-        " environment variables and the GPU, to answer the next call without importing vLLM)",
+        " environment variables vLLM and FlashInfer read, the CUDA toolkit and driver and"
+        " the GPU, to answer the next call without importing vLLM)",
     )
     doctor_parser.set_defaults(handler=run_doctor)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -91,6 +92,135 @@ def test_what_a_shell_changes_between_commands_does_not(site, tmp_path, monkeypa
     for name in ("_", "PWD", "OLDPWD", "SHLVL"):
         monkeypatch.setenv(name, "changed")
     assert fingerprint(state_file) == before
+
+
+# What each new login (ssh, a desktop session, another terminal) sets afresh; none of vLLM,
+# FlashInfer or torch reads them.
+SESSION_VARIABLES = (
+    "SSH_CONNECTION",
+    "SSH_CLIENT",
+    "SSH_TTY",
+    "XDG_SESSION_ID",
+    "XDG_RUNTIME_DIR",
+    "TERM",
+    "DISPLAY",
+    "TMUX",
+)
+
+
+def test_a_new_login_is_the_same_environment(site, tmp_path, monkeypatch) -> None:
+    state_file = tmp_path / "state.json"
+    before = fingerprint(state_file)
+    for number, name in enumerate(SESSION_VARIABLES):
+        monkeypatch.setenv(name, f"10.0.0.{number} 52{number} 10.0.0.9 22")
+        assert fingerprint(state_file) == before, name
+
+
+@pytest.mark.parametrize("variable", ["CUDA_HOME", "CUDA_PATH"])
+def test_an_nvcc_that_appears_under_the_cuda_home_changes_the_fingerprint(
+    variable: str, site: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """vLLM's has_flashinfer() looks for bin/nvcc under $CUDA_HOME (else $CUDA_PATH), not on
+    PATH: a toolkit installed there lets FlashInfer run with the variable's value unchanged."""
+    home = tmp_path / "cuda"
+    (home / "bin").mkdir(parents=True)
+    for name in ("CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, str(home))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no nvcc on PATH
+    state_file = tmp_path / "state.json"
+    before = fingerprint(state_file)
+    nvcc = home / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    assert fingerprint(state_file) == before  # not executable: vLLM does not see it either
+    nvcc.chmod(0o755)
+    assert doctor_cache.vllm_flashinfer_nvcc() == str(nvcc)
+    assert fingerprint(state_file) != before
+
+
+def test_vllms_nvcc_is_found_as_vllm_finds_it(tmp_path: Path, monkeypatch) -> None:
+    """`vllm_flashinfer_nvcc` against vLLM 0.34.0's own `_flashinfer_nvcc_path` (imported
+    from the installed vLLM: its module imports torch, not vLLM's engine)."""
+    flashinfer_utils = pytest.importorskip("vllm.utils.flashinfer")
+    homes = {name: tmp_path / name for name in ("home", "path", "on-path")}
+    for home in homes.values():
+        (home / "bin").mkdir(parents=True)
+        (home / "bin" / "nvcc").write_text("#!/bin/sh\n")
+        (home / "bin" / "nvcc").chmod(0o755)
+    cases = [
+        {"CUDA_HOME": homes["home"], "CUDA_PATH": homes["path"]},
+        {"CUDA_PATH": homes["path"]},
+        {"PATH": homes["on-path"] / "bin"},
+        {"PATH": tmp_path / "empty"},
+        {"CUDA_HOME": tmp_path / "empty", "PATH": homes["on-path"] / "bin"},
+    ]
+    for case in cases:
+        for name in ("CUDA_HOME", "CUDA_PATH"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+        for name, value in case.items():
+            monkeypatch.setenv(name, str(value))
+        ours = doctor_cache.vllm_flashinfer_nvcc()
+        assert ours == flashinfer_utils._flashinfer_nvcc_path(), case
+
+
+def test_a_driver_change_changes_the_fingerprint(site, tmp_path, monkeypatch) -> None:
+    """Both halves: the kernel module's version and the CUDA version libcuda reports."""
+    version_file = tmp_path / "version"
+    version_file.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.95.05\n")
+    monkeypatch.setattr(doctor_cache, "NVIDIA_DRIVER_VERSION_FILE", version_file)
+    reported = {"cuda": 13000}
+    monkeypatch.setattr(doctor_cache, "cuda_driver_version", lambda: reported["cuda"])
+    state_file = tmp_path / "state.json"
+    before = fingerprint(state_file)
+    assert fingerprint(state_file) == before
+    version_file.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.04\n")
+    upgraded = fingerprint(state_file)
+    assert upgraded != before
+    reported["cuda"] = 13010
+    assert fingerprint(state_file) != upgraded
+    version_file.unlink()  # the driver gone
+    assert fingerprint(state_file) not in (before, upgraded)
+
+
+def test_a_library_without_the_driver_reports_no_version(monkeypatch) -> None:
+    monkeypatch.setattr(doctor_cache, "CUDA_DRIVER_LIBRARY", "libvllm-minimax-none.so.1")
+    assert doctor_cache.cuda_driver_version() is None
+    monkeypatch.setattr(doctor_cache, "CUDA_DRIVER_LIBRARY", "libc.so.6")  # no cuDriverGetVersion
+    assert doctor_cache.cuda_driver_version() is None
+
+
+def test_the_driver_version_is_read_without_torch() -> None:
+    probe = (
+        "import sys; from vllm_minimax import doctor_cache; doctor_cache.driver_version();"
+        " doctor_cache.environment_fingerprint('s', doctor_cache.Path('/nonexistent'), None);"
+        " print(sorted(m for m in ('torch', 'vllm', 'flashinfer') if m in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_store_keeps_the_most_recently_used_answers(tmp_path: Path) -> None:
+    directory = tmp_path / "answers"
+    store = doctor_cache.AnswerStore("env", directory, limit=4)
+    for question in range(4):
+        store.save({"q": question}, question)
+    stamp = 1_000_000_000
+    for question in range(4):  # saved in order, a second apart
+        os.utime(store.path({"q": question}), (stamp + question, stamp + question))
+    assert store.load({"q": 0}) == 0  # used now: the most recent
+    (directory / "killed.part").write_text("")
+    os.utime(directory / "killed.part", (stamp, stamp))
+    store.save({"q": 4}, 4)
+    assert sorted(path.name for path in directory.iterdir()) == sorted(
+        store.path({"q": question}).name for question in (0, 2, 3, 4)
+    )
+    for question in range(5, 40):
+        doctor_cache.AnswerStore(f"env-{question}", directory, limit=4).save({"q": 1}, 1)
+    assert len(list(directory.iterdir())) == 4
+    assert doctor_cache.AnswerStore("env").limit == doctor_cache.MAX_ANSWERS
 
 
 def test_a_store_answers_its_own_question_only(tmp_path: Path) -> None:
@@ -204,6 +334,16 @@ def test_a_broken_flashinfer_or_vllm_is_asked_again_every_time(
     if broken == "flashinfer":
         assert clean_machine["flashinfer"] == 0  # the stand-in above, called each time
         assert not [line for line in out if line.startswith("stored:")]
+
+
+def test_a_new_login_reuses_the_answers(clean_machine, capsys, monkeypatch) -> None:
+    run_doctor(capsys)
+    for name in SESSION_VARIABLES:
+        monkeypatch.setenv(name, "another login")
+    code, out = run_doctor(capsys)
+    assert code == doctor.EXIT_READY
+    assert clean_machine == {"flashinfer": 1, "select": 1}
+    assert [line for line in out if line.startswith("stored:")]
 
 
 def test_damaged_cuda_bindings_are_another_environment(clean_machine, capsys, monkeypatch):
