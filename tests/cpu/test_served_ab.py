@@ -599,3 +599,38 @@ def test_server_rounds_reach_eval_ab_and_a_bad_count_is_refused(tmp_path, capsys
     monkeypatch.undo()
     assert main([*argv, "--server-rounds", "0"]) == 2
     assert "--server-rounds must be 1 or more, got 0" in capsys.readouterr().err
+
+
+def test_the_detached_served_round_takes_over_the_restore_of_the_vllm_tree(tmp_path):
+    """gpu-env.sh restores the vLLM tree when the calling shell exits; a detached served round
+    outlives that shell, so it clears the caller's record and runs the restore itself when it
+    ends (else the caller would revert the series under the round's servers)."""
+    record = ab_record({"stock": STOCK_ROUNDS}, ["stock"])
+    (tmp_path / "ab.json").write_text(json.dumps(record))
+    (tmp_path / "fake_eval.py").write_text(FAKE_EVAL)
+    picks = ";".join(f"/^{name}() {{/,/^}}/p" for name in ("served_detached", "ab_wait"))
+    root = tmp_path / "m3ab"
+    root.mkdir()
+    restore = tmp_path / "gpu-env-restore.rec"
+    restore.write_text("")
+    code = (
+        f"set -uo pipefail; source <(sed -n '{picks}' {SCRIPT}); "
+        "sample_gpu() { :; }; sample_host() { :; }; served_collect() { :; }; "
+        f"gpu_env_restore_file={restore}; "
+        f"tag=served-rep1 card=h200 slice=mxfp8-ep served_out={tmp_path} out={tmp_path}; "
+        "arm_names=(stock); "
+        f"ab_cmd=(python3 {tmp_path / 'fake_eval.py'} {tmp_path / 'ab.json'} x); "
+        'served_detached; echo "caller-record=[$gpu_env_restore_file]"'
+    )
+    env = {"M3AB_ROOT": str(root), "WAIT_S": "0", "PYTHONPATH": str(SCRIPT.parent.parent)}
+    done = run_bash(code, **env)
+    assert done.returncode == 0, done.stderr
+    assert "caller-record=[]" in done.stdout
+    status = root / "served-rep1" / "exit-status"
+    for _ in range(300):
+        if status.exists():
+            break
+        time.sleep(0.1)
+    run_sh = (root / "served-rep1" / "run.sh").read_text()
+    assert "gpu_site_restore.py restore" in run_sh
+    assert not restore.exists()
