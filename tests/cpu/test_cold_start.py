@@ -333,8 +333,9 @@ def test_summary_names_the_target_rows_and_what_holds_a_miss(tmp_path):
     assert lines[4].startswith(
         "| MXFP8 EP slice ready, fresh machine with the image's caches <= 120 s"
     )
-    assert lines[4].endswith("| 120.0 s | met |")
-    assert lines[5].endswith("| 61.0 s | MISSED |")
+    assert lines[4].endswith("| 120.0 s (65.0 s without the slice's LLFp32WGemm) | met |")
+    assert lines[5].endswith("| 61.0 s (6.0 s without the slice's LLFp32WGemm) | MISSED |")
+    assert states["warm"]["slice_only_s"] == 55.0
     assert lines[6].endswith("| humming cache: 3 files written after ready | MISSED |")
     assert (
         "- MXFP8 EP slice ready, machine that started it once <= 60 s: held by JIT warm-up"
@@ -344,10 +345,12 @@ def test_summary_names_the_target_rows_and_what_holds_a_miss(tmp_path):
 
 
 def test_summary_without_the_slice_says_not_measured(tmp_path):
-    row = _slice_row("empty", 50.0, _slice_log(30, 2, 3, {"A": 1}, 1), humming=0)
+    row = _slice_row("empty", 50.0, _slice_log(30, 2, 3, {"LLFp32WGemm": 5}, 1), humming=0)
     row["name"] = "tiny"
     summary = cold_start.summarize([row], "NVIDIA H100 80GB HBM3", "abc")
     assert [target["met"] for target in summary["targets"]] == [None, None, None]
+    # The tiny model's own gate compiles LLFp32WGemm too: not a slice's artifact there.
+    assert summary["runs"]["tiny"]["fresh_empty"]["ready_without_slice_only_s"] == 50.0
     assert "| not measured |" in cold_start.render_summary(summary, [row])
 
 
