@@ -266,6 +266,7 @@ def _slice_log(before: int, load: int, profile: int, jit: dict[str, int], graphs
     text += line("Model loading took 6.7 GiB memory and 12.000000 seconds")
     clock += timedelta(seconds=profile)
     text += line("Available KV cache memory: 80.00 GiB")
+    clock += timedelta(seconds=2)  # the KV cache's allocation
     text += line("JIT kernel warmup starting.")
     elapsed = 0
     for done, (kernel, seconds) in enumerate(jit.items(), 1):
@@ -314,6 +315,7 @@ def test_summary_names_the_target_rows_and_what_holds_a_miss(tmp_path):
         "warm": 61.0,
     }
     assert states["fresh_empty"]["phases_s"]["profile_run_s"] == 157.0
+    assert states["fresh_empty"]["phases_s"]["kv_to_jit_s"] == 2.0
     assert states["fresh_empty"]["phases_s"]["before_engine_s"] == 45.0
     fresh, carried, nothing_after = summary["targets"]
     assert (fresh["state"], fresh["met"]) == ("fresh_prebuilt", True)  # 120 s is the bound
