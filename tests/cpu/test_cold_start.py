@@ -20,6 +20,7 @@ from vllm_minimax import compile_caches
 
 REPO = Path(__file__).resolve().parents[2]
 H100_COLD_LOG = REPO / "results/h100/sparse-attention/engine/cold-flashinfer-graphs.log"
+SLICE = cold_start.SLICE
 
 
 def test_carried_home_is_the_empty_arms_with_its_times(tmp_path):
@@ -411,3 +412,32 @@ def test_every_arm_keeps_its_caches_in_its_own_home(tmp_path, monkeypatch):
     home = Path(env["HOME"])
     for name, path in dirs.items():
         assert home in path.parents, name
+
+
+def test_a_fresh_empty_record_from_eval_ab(tmp_path):
+    ab = {
+        "config": "serve.yaml",
+        "round_order": [["fp8-flashinfer", "stock"]],
+        "arms": [
+            {"name": "fp8-flashinfer", "rounds": [{"round": 0, "startup_seconds": 311.04}]},
+            {"name": "stock", "rounds": [{"round": 0, "startup_seconds": 145.0}]},
+        ],
+    }
+    (tmp_path / "ab.json").write_text(json.dumps(ab))
+    log = tmp_path / "fp8-flashinfer" / "round-1" / "server.log"
+    log.parent.mkdir(parents=True)
+    jit = {"_IndexerFlashInferJit": 4, "LLFp32WGemm": 55}
+    log.write_text(_slice_log(40, 20, 157, jit, 12))
+    out = tmp_path / "rank-mxfp8-ep-empty.json"
+    argv = ["from-ab", str(tmp_path / "ab.json"), "--arm", "fp8-flashinfer", "--name", SLICE]
+    assert cold_start.main([*argv, "--out", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert (row["state"], row["ready_s"]) == ("fresh_empty", 311.0)
+    assert row["profile_run_s"] == 157.0 and "before_engine_s" not in row
+    summary = cold_start.summarize([row], "NVIDIA H200", "abc")
+    assert summary["runs"][SLICE]["fresh_empty"]["slice_only_s"] == 55.0
+    # stock started second, on the caches the first arm filled
+    with pytest.raises(SystemExit, match="started after fp8-flashinfer"):
+        cold_start.run_from_ab(tmp_path / "ab.json", "stock", SLICE)
+    with pytest.raises(SystemExit, match="has no arm 'bf16'"):
+        cold_start.run_from_ab(tmp_path / "ab.json", "bf16", SLICE)
