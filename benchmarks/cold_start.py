@@ -645,6 +645,49 @@ def write_summary(runs: Sequence[Path], gpu: str, commit: str, out_dir: Path) ->
     return summary
 
 
+def run_from_ab(ab_path: Path, arm: str, name: str, log: Path | None = None) -> dict[str, Any]:
+    """A run record from ``vllm-minimax eval ab``'s ab.json: the first round of ``arm``, its
+    ``startup_seconds`` as the ready time and its server log (``<arm>/round-1/server.log``
+    beside ab.json unless ``log`` names one) for the phases. Only the first start on a fresh
+    machine is a fresh_empty start (a later arm finds the caches the earlier ones filled), so
+    an arm that was not first in the first round is refused. The log has no launch time, so
+    the phases before the engine are left out, and eval ab keeps no inventory of the caches
+    nor FlashInfer's build log: only vLLM's JIT monitor witnesses what was built after ready."""
+    ab = json.loads(ab_path.read_text())
+    arms = {entry["name"]: entry for entry in ab.get("arms", [])}
+    if arm not in arms:
+        raise SystemExit(f"cold_start: {ab_path} has no arm {arm!r} (arms: {', '.join(arms)})")
+    rounds = arms[arm].get("rounds") or []
+    if not rounds or rounds[0].get("startup_seconds") is None:
+        raise SystemExit(f"cold_start: arm {arm} of {ab_path} has no measured first start")
+    first_round = (ab.get("round_order") or [[arm]])[0]
+    if first_round[0] != arm:
+        raise SystemExit(
+            f"cold_start: arm {arm} started after {first_round[0]} in {ab_path}'s first round,"
+            " on caches that arm filled: not a start on empty caches"
+        )
+    log = log or ab_path.parent / arm / "round-1" / "server.log"
+    row: dict[str, Any] = {
+        "name": name,
+        "arm": "empty",
+        "state": "fresh_empty",
+        "source": f"eval ab {ab_path}, arm {arm}, round 1",
+        "config": ab.get("config"),
+        "ready_s": round(float(rounds[0]["startup_seconds"]), 1),
+    }
+    if log.is_file():
+        row.update(parse_log(log.read_text(errors="replace")))
+    else:
+        row["source"] += " (no server log: no phases)"
+    row["flashinfer_builds"] = {
+        "before_ready": {"count": 0, "by_toolchain": {}},
+        "after_ready": {"count": 0, "by_toolchain": {}},
+        "after_ready_names": [],
+        "recorded": False,
+    }
+    return row
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cold_start")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -673,9 +716,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary.add_argument("--gpu", required=True, help="the GPU's name")
     summary.add_argument("--commit", required=True, help="the checkout's commit")
     summary.add_argument("--out-dir", required=True, type=Path)
+    from_ab = commands.add_parser("from-ab", help="a fresh_empty run record from eval ab")
+    from_ab.add_argument("ab_json", type=Path)
+    from_ab.add_argument("--arm", required=True, help="the arm whose first start it was")
+    from_ab.add_argument("--name", required=True, help="the model's label (rank-mxfp8-ep)")
+    from_ab.add_argument("--log", type=Path, help="its server log (default: beside ab.json)")
+    from_ab.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
     if args.command == "run":
         return run(args)
+    if args.command == "from-ab":
+        row = run_from_ab(args.ab_json, args.arm, args.name, args.log)
+        args.out.write_text(json.dumps(row, indent=1) + "\n")
+        return 0
     if args.command == "summary":
         write_summary(args.runs, args.gpu, args.commit, args.out_dir)
         print((args.out_dir / "report.md").read_text())
