@@ -11,9 +11,9 @@ caches all start where this arm says), waits for ``/health``, sends a few comple
 and long prompts, one alone and several at once), stops it and writes what it measured:
 
 - ``empty``: a fresh home; every compile cache empty, as on a new machine.
-- ``prebuilt``: a fresh home, with ``FLASHINFER_WORKSPACE_BASE`` a copy (modification times
-  kept, which ninja compares) of ``--prebuilt``, what `vllm-minimax warmup --prebuild` built.
-- ``carried``: a copy of the ``empty`` arm's home after its start: every cache it filled.
+- ``prebuilt``: a fresh home, with ``FLASHINFER_WORKSPACE_BASE`` the directory ``--prebuilt``
+  where `vllm-minimax warmup --prebuild` built, restored as the prebuild left it.
+- ``carried``: the ``empty`` arm's home after its start, every cache it filled, in place.
 
 What it records: the seconds from launch to ``/health``; the engine's own figures from its log
 (model loading, memory profiling, the JIT warm-up and each MiniMax M3 warm-up, CUDA-graph
@@ -185,13 +185,22 @@ def _copy_tree(source: Path, target: Path) -> None:
 
 
 def prepare_home(work: Path, name: str, arm: str, prebuilt: Path | None) -> dict[str, str]:
-    """The environment of one arm's start (see the module)."""
+    """The environment of one arm's start (see the module).
+
+    FlashInfer's ninja files name every object by its absolute path, and ninja rebuilds an
+    output its log has no command for: a FlashInfer cache copied to another directory is
+    rebuilt whole. So no arm serves a copy. The carried arm starts in the empty arm's own
+    home, as a second start on the same machine does. The prebuilt arm serves the prebuild
+    where `warmup --prebuild` built it; its first start keeps a copy of it beside
+    (``BASE.pristine``, times kept) and every later one restores it to the same path first."""
     home = work / f"home-{name}-{arm}"
+    build_log = "flashinfer-builds.jsonl"
     if arm == "carried":
-        earlier = work / f"home-{name}-empty"
-        if not earlier.is_dir():
-            raise SystemExit(f"cold_start: no {earlier}: run the empty arm first on this machine")
-        _copy_tree(earlier, home)
+        home = work / f"home-{name}-empty"
+        if not home.is_dir():
+            raise SystemExit(f"cold_start: no {home}: run the empty arm first on this machine")
+        build_log = "flashinfer-builds-carried.jsonl"
+        (home / build_log).unlink(missing_ok=True)  # an earlier carried start's
     else:
         if home.exists():
             shutil.rmtree(home)
@@ -202,7 +211,7 @@ def prepare_home(work: Path, name: str, arm: str, prebuilt: Path | None) -> dict
         "TORCHINDUCTOR_CACHE_DIR": str(home / ".cache" / "torchinductor"),
         # The CuTe DSL's file cache defaults to the temporary directory, shared by the arms.
         "CUTE_DSL_CACHE_DIR": str(home / ".cache" / "cutlass_python_cache"),
-        "FLASHINFER_JIT_BUILD_LOG": str(home / "flashinfer-builds.jsonl"),
+        "FLASHINFER_JIT_BUILD_LOG": str(home / build_log),
         "HF_HUB_OFFLINE": "1",
     }
     for inherited in INHERITED_CACHE_VARIABLES:
@@ -210,11 +219,13 @@ def prepare_home(work: Path, name: str, arm: str, prebuilt: Path | None) -> dict
     if arm == "prebuilt":
         if prebuilt is None or not prebuilt.is_dir():
             raise SystemExit("cold_start: the prebuilt arm needs --prebuilt BASE (a prebuild)")
-        base = work / f"flashinfer-{name}-prebuilt"
-        _copy_tree(prebuilt, base)
-        env["FLASHINFER_WORKSPACE_BASE"] = str(base)
-    if arm == "carried" and (home / "flashinfer-builds.jsonl").exists():
-        (home / "flashinfer-builds.jsonl").unlink()  # the empty arm's builds
+        prebuilt = prebuilt.absolute()
+        pristine = prebuilt.with_name(prebuilt.name + ".pristine")
+        if pristine.is_dir():
+            _copy_tree(pristine, prebuilt)
+        else:
+            _copy_tree(prebuilt, pristine)
+        env["FLASHINFER_WORKSPACE_BASE"] = str(prebuilt)
     return env
 
 

@@ -23,31 +23,44 @@ H100_COLD_LOG = REPO / "results/h100/sparse-attention/engine/cold-flashinfer-gra
 SLICE = cold_start.SLICE
 
 
-def test_carried_home_is_the_empty_arms_with_its_times(tmp_path):
+def test_carried_arm_starts_in_the_empty_arms_own_home(tmp_path):
+    # FlashInfer's ninja files name objects by absolute path: a copy elsewhere rebuilds.
     empty = tmp_path / "home-tiny-empty" / ".cache" / "flashinfer"
     empty.mkdir(parents=True)
     program = empty / "program.so"
     program.write_bytes(b"so")
     os.utime(program, ns=(10**18, 10**18))
     (tmp_path / "home-tiny-empty" / "flashinfer-builds.jsonl").write_text("{}\n")
+    (tmp_path / "home-tiny-empty" / "flashinfer-builds-carried.jsonl").write_text("{}\n")
     env = cold_start.prepare_home(tmp_path, "tiny", "carried", None)
-    copied = Path(env["HOME"]) / ".cache" / "flashinfer" / "program.so"
-    assert copied.read_bytes() == b"so"
-    assert copied.stat().st_mtime_ns == 10**18
-    assert not (Path(env["HOME"]) / "flashinfer-builds.jsonl").exists()
+    assert env["HOME"] == str(tmp_path / "home-tiny-empty")
+    assert program.read_bytes() == b"so" and program.stat().st_mtime_ns == 10**18
+    # its own build log, empty; the empty arm's kept
+    assert env["FLASHINFER_JIT_BUILD_LOG"] != str(
+        tmp_path / "home-tiny-empty" / "flashinfer-builds.jsonl"
+    )
+    assert not Path(env["FLASHINFER_JIT_BUILD_LOG"]).exists()
+    assert (tmp_path / "home-tiny-empty" / "flashinfer-builds.jsonl").exists()
     assert "FLASHINFER_WORKSPACE_BASE" not in env
+    assert not (tmp_path / "home-tiny-carried").exists()
 
 
-def test_prebuilt_arm_reads_a_copy_of_the_prebuild(tmp_path):
-    prebuilt = tmp_path / "prebuild"
+def test_prebuilt_arm_serves_the_prebuild_in_place_as_it_was_built(tmp_path):
+    prebuilt = tmp_path / "prebuilt-rank"
     (prebuilt / ".cache").mkdir(parents=True)
     (prebuilt / ".cache" / "x.o").write_bytes(b"o")
     os.utime(prebuilt / ".cache" / "x.o", ns=(10**18, 10**18))
     env = cold_start.prepare_home(tmp_path, "rank", "prebuilt", prebuilt)
-    base = Path(env["FLASHINFER_WORKSPACE_BASE"])
-    assert base != prebuilt
-    assert (base / ".cache" / "x.o").stat().st_mtime_ns == 10**18
+    assert env["FLASHINFER_WORKSPACE_BASE"] == str(prebuilt)
     assert list(Path(env["HOME"]).iterdir()) == []  # everything else starts empty
+    # What a start added there is gone at the next prebuilt start; the prebuild's times stay.
+    (prebuilt / ".cache" / "built-at-start.o").write_bytes(b"n")
+    (prebuilt / ".cache" / "x.o").write_bytes(b"rebuilt")
+    env = cold_start.prepare_home(tmp_path, "rank", "prebuilt", prebuilt)
+    assert env["FLASHINFER_WORKSPACE_BASE"] == str(prebuilt)
+    assert sorted(p.name for p in (prebuilt / ".cache").iterdir()) == ["x.o"]
+    assert (prebuilt / ".cache" / "x.o").read_bytes() == b"o"
+    assert (prebuilt / ".cache" / "x.o").stat().st_mtime_ns == 10**18
 
 
 def test_arms_that_need_an_earlier_one_say_so(tmp_path):
