@@ -1,25 +1,32 @@
-"""A vLLM server's start on a fresh machine: with empty caches, with only the prebuilt FlashInfer
-programs, and with the caches an earlier start left (issue 58).
+"""A vLLM server's start in three states (issues 58 and 64): fresh_empty (arm ``empty``),
+fresh_prebuilt (``prebuilt``) and warm (``carried``).
 
     python -m benchmarks.cold_start run --name NAME --arm ARM --model DIR --config YAML
-        --work DIR --out FILE.json [--prebuilt BASE] [--requests N]
+        --work DIR --out FILE.json [--prebuilt BASE] [--requests N] [--server-arg=ARG ...]
+    python -m benchmarks.cold_start summary RUN.json [RUN.json ...] --gpu NAME --commit SHA
+        --out-dir DIR
+    python -m benchmarks.cold_start from-ab AB.json --arm ARM --name NAME --out RUN.json
     python -m benchmarks.cold_start report RUN.json [RUN.json ...] --out REPORT.md
 
 ``run`` starts ``vllm serve`` (``python3 -m vllm.entrypoints.openai.api_server``) once, in a
-home directory of its own (``HOME``, so FlashInfer's, Triton's, vLLM's and TorchInductor's
-caches all start where this arm says), waits for ``/health``, sends a few completions (short
-and long prompts, one alone and several at once), stops it and writes what it measured:
+home directory of the arm's (``HOME``, and every cache variable pointed under it, so each
+compile cache starts as the arm says), waits for ``/health``, sends a few completions (short
+and long prompts, one asking for logprobs, several at once), stops it and writes what it
+measured:
 
 - ``empty``: a fresh home; every compile cache empty, as on a new machine.
 - ``prebuilt``: a fresh home, with ``FLASHINFER_WORKSPACE_BASE`` the directory ``--prebuilt``
   where `vllm-minimax warmup --prebuild` built, restored as the prebuild left it.
 - ``carried``: the ``empty`` arm's home after its start, every cache it filled, in place.
 
-What it records: the seconds from launch to ``/health``; the engine's own figures from its log
-(model loading, memory profiling, the JIT warm-up and each MiniMax M3 warm-up, CUDA-graph
-capture, the engine's init); FlashInfer's builds (``FLASHINFER_JIT_BUILD_LOG``: nvcc and
-CuTe-DSL, each with its seconds) before and after ready; the prebuild check's log line; and
-the Triton kernels vLLM's JIT monitor saw compile after ready. ``report`` tabulates runs.
+What it records: the seconds from launch to ``/health``; the phases of the start from vLLM's
+log times and the seconds of each kernel of vLLM's JIT warm-up; the engine's own figures
+(model loading, each warm-up, CUDA-graph capture, the engine's init); FlashInfer's builds
+(``FLASHINFER_JIT_BUILD_LOG``) before and after ready; each compile cache's files before,
+written, and written after ready (:mod:`vllm_minimax.compile_caches`); the prebuild check's
+log line; and what vLLM's JIT monitor saw after ready. ``summary`` writes summary.json and a
+report.md that opens with issue 64's targets; ``from-ab`` makes a fresh_empty record of eval
+ab's first start; ``report`` tabulates the engine's figures.
 """
 
 from __future__ import annotations
