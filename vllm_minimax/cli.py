@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     warmup_parser = commands.add_parser(
         "warmup",
         help="prebuild FlashInfer's JIT cache for a serving config (on the serving GPU, or"
-        " with --prebuild on any machine with the CUDA compiler)",
+        " with --prebuild on any machine with the CUDA compiler); with --engine, fill every"
+        " compile cache by starting the engine once",
     )
     warmup_parser.add_argument(
         "--config",
@@ -381,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine",
         "on the serving machine: start the configured engine briefly, so that every compile"
         " cache a start fills (FlashInfer's, Humming's, Triton's, vLLM's) is filled once"
-        " (docs/warm-start.md)",
+        " (docs/compile-caches.md)",
     )
     engine.add_argument(
         "--engine",
