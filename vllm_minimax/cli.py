@@ -312,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     warmup_parser = commands.add_parser(
         "warmup",
         help="prebuild FlashInfer's JIT cache for a serving config (on the serving GPU, or"
-        " with --prebuild on any machine with the CUDA compiler)",
+        " with --prebuild on any machine with the CUDA compiler); with --engine, fill every"
+        " compile cache by starting the engine once",
     )
     warmup_parser.add_argument(
         "--config",
@@ -378,6 +379,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="list the programs FlashInfer would build; build nothing",
     )
+    engine = warmup_parser.add_argument_group(
+        "--engine",
+        "on the serving machine: start the configured engine briefly, so that every compile"
+        " cache a start fills (FlashInfer's, Humming's, Triton's, vLLM's) is filled once"
+        " (docs/compile-caches.md)",
+    )
+    engine.add_argument(
+        "--engine",
+        action="store_true",
+        help="start vllm serve with the config until it is ready, send a few requests, stop it",
+    )
+    from vllm_minimax import warm_engine
+
+    warm_engine.add_arguments(engine)
     warmup_parser.set_defaults(handler=run_warmup)
 
     add_eval_parsers(commands)
@@ -423,6 +438,28 @@ def positive_float(high: float) -> Callable[[str], float]:
 
 
 def run_warmup(args: argparse.Namespace) -> int:
+    if args.engine:
+        if (
+            args.prebuild
+            or args.gpu
+            or args.kv_cache_dtype
+            or args.jobs
+            or args.only
+            or args.dry_run
+        ):
+            print(
+                "vllm-minimax warmup: error: --engine starts the engine on this machine's GPUs;"
+                " --prebuild and its options build without one",
+                file=sys.stderr,
+            )
+            return 2
+        if len(args.config) > 1:
+            print("vllm-minimax warmup: error: one --config with --engine", file=sys.stderr)
+            return 2
+        from vllm_minimax import warm_engine
+
+        args.config = args.config[0]
+        return warm_engine.run(args)
     if args.prebuild:
         from vllm_minimax import prebuild
 
