@@ -120,8 +120,8 @@ MARKDOWN_LINK = re.compile(r"\]\((?!\w+://|mailto:|#)([^)#\s]+)(?:#[^)]*)?\)")
 
 def test_every_relative_link_in_a_markdown_file_resolves() -> None:
     """A tracked Markdown file links only to files that are tracked too (a page moved under
-    results/ must be committed with the link). The round reports' plots are the exception:
-    they ship in the round's plots.tar.gz."""
+    results/ must be committed with the link, and a report whose raw outputs left the tree
+    names them without a link)."""
     tracked = set(
         subprocess.run(
             ["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
@@ -132,10 +132,53 @@ def test_every_relative_link_in_a_markdown_file_resolves() -> None:
         page = REPO_ROOT / name
         for target in MARKDOWN_LINK.findall(page.read_text(errors="replace")):
             path = (page.parent / target).resolve()
-            if target.endswith(".png") and (page.parent / "plots.tar.gz").is_file():
-                continue
             relative = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
             tracked_dir = any(n.startswith(f"{relative}/") for n in tracked)
             if str(relative) not in tracked and not tracked_dir:
                 broken.append(f"{name} -> {target}")
     assert broken == []
+
+
+RESULTS_LIMIT_BYTES = 5 * 1024 * 1024
+RESULT_FILE_LIMIT_BYTES = 512 * 1024
+
+
+def results_sizes(root: Path, names: list[str]) -> dict[str, int]:
+    """The size of each tracked file under results/ (a file deleted but not yet committed is
+    left out)."""
+    paths = {name: root / name for name in names if name.startswith("results/")}
+    return {name: path.stat().st_size for name, path in paths.items() if path.is_file()}
+
+
+def results_over_limits(sizes: dict[str, int]) -> list[str]:
+    """What keeps results/ from being a folder of reports and small summaries: a total over
+    5 MB, a file over 512 KB, or a compressed archive or log (raw outputs are regenerated, or
+    fetched from the history, not committed)."""
+    problems = [
+        f"{name}: {size:,} bytes (over {RESULT_FILE_LIMIT_BYTES:,})"
+        for name, size in sorted(sizes.items())
+        if size > RESULT_FILE_LIMIT_BYTES
+    ]
+    problems += [
+        f"{name}: a compressed raw output" for name in sorted(sizes) if name.endswith(".gz")
+    ]
+    total = sum(sizes.values())
+    if total > RESULTS_LIMIT_BYTES:
+        problems.append(f"results/ holds {total:,} bytes (over {RESULTS_LIMIT_BYTES:,})")
+    return problems
+
+
+def test_results_hold_reports_and_small_summaries() -> None:
+    assert results_over_limits(results_sizes(REPO_ROOT, tracked_files())) == []
+
+
+def test_the_results_limits_refuse_a_large_file_an_archive_and_a_large_total() -> None:
+    """The check above, on planted trees: each limit alone fails it."""
+    assert results_over_limits({"results/a/report.md": 4000, "results/a/bench.json": 9000}) == []
+    big = results_over_limits({"results/a/log.txt": RESULT_FILE_LIMIT_BYTES + 1})
+    assert big == [f"results/a/log.txt: {RESULT_FILE_LIMIT_BYTES + 1:,} bytes (over 524,288)"]
+    assert results_over_limits({"results/a/rounds.tar.gz": 10}) == [
+        "results/a/rounds.tar.gz: a compressed raw output"
+    ]
+    many = {f"results/a/{index}.json": 500_000 for index in range(11)}
+    assert results_over_limits(many) == ["results/ holds 5,500,000 bytes (over 5,242,880)"]

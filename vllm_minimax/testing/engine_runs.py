@@ -4,8 +4,9 @@ programs the engine's JIT cache holds, and the kernels vLLM's JIT monitor saw co
 after the engine was ready.
 
 The run scripts (`sparse_attention_engine.py`, `tp_engine.py`) write one JSON per run
-(`generate_seeded_prompts` makes its `requests`), committed gzip'ed under results/; the
-checks read either form.
+(`generate_seeded_prompts` makes its `requests`), plain or gzip'ed (how they come back
+from the device); the checks read either form. results/ keeps their summaries, and CI's
+re-check reads a thinned copy under tests/cpu/fixtures/.
 """
 
 from __future__ import annotations
