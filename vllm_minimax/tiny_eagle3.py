@@ -34,7 +34,7 @@ from typing import Any
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 DRAFT_HEADS = 4
-DRAFT_HEAD_DIM = 64
+DRAFT_HEAD_DIM = 128  # the target's, so the draft's KV pages match the target's per head
 DRAFT_INTERMEDIATE = 512
 AUX_LAYERS = 3
 INITIALIZER_RANGE = 0.02

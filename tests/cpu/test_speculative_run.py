@@ -135,12 +135,13 @@ def test_draft_layout_is_what_llama_eagle3_loads(tmp_path: Path, wrapper: bool) 
     layers = config["eagle_aux_hidden_state_layer_ids"]
     assert len(set(layers)) == 3 and all(0 <= i <= 4 for i in layers)
     with safe_open(str(tmp_path / "draft" / "model.safetensors"), "pt") as handle:
-        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle}
+        names = handle.keys()  # safe_open is not iterable
+        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in names}
         fc = handle.get_tensor("fc.weight").float()
     assert shapes == tiny_eagle3.draft_shapes(config)
     assert made["tensors"] == len(shapes)
-    assert shapes["midlayer.self_attn.q_proj.weight"] == (4 * 64, 2 * 256)
-    assert shapes["midlayer.self_attn.k_proj.weight"] == (2 * 64, 2 * 256)
+    assert shapes["midlayer.self_attn.q_proj.weight"] == (4 * 128, 2 * 256)
+    assert shapes["midlayer.self_attn.k_proj.weight"] == (2 * 128, 2 * 256)
     assert shapes["fc.weight"] == (256, 3 * 256)
     assert not any("embed_tokens" in name for name in shapes)  # shared from the target
     assert 0.01 < fc.std().item() < 0.03  # random, not zeros
@@ -167,3 +168,37 @@ def test_command_refuses_a_directory_without_a_target(tmp_path: Path, capsys) ->
     target = tiny_target(tmp_path / "target")
     assert tiny_eagle3.main([str(target), str(tmp_path / "d2"), "--kv-heads", "3"]) == 2
     assert "does not divide" in capsys.readouterr().err
+
+
+# --- method mtp on a checkpoint without the tensors ----------------------------------
+
+
+def test_the_loaders_message_is_read() -> None:
+    names = ["model.layers.0.eh_proj.weight", "model.layers.0.enorm.weight"]
+    message = (
+        f"ValueError: {speculative_run.NOT_INITIALIZED}: {{'{names[1]}', '{names[0]}'}}\n"
+        "  later: {'not', 'these'}"
+    )
+    assert speculative_run.not_initialized(message) == names
+    assert speculative_run.not_initialized("ValueError: something else {'x'}") == []
+
+
+def test_the_published_layout_declares_a_module_and_carries_none(tmp_path: Path) -> None:
+    """The demonstration's checkpoint: the tiny model's files under the minimax_m3_vl
+    wrapper declaring one MTP module; doctor says its tensors are absent."""
+    from vllm_minimax.checkpoint_weights import Outcome, check
+    from vllm_minimax.tiny_model import write_tiny_config_files
+
+    target = tmp_path / "tiny"
+    write_tiny_config_files(target, mtp_modules=1)  # writes mtp/config.json, left behind
+    header = json.dumps({"model.layers.0.self_attn.q_proj.weight": {}}).encode()
+    (target / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    work = speculative_run.published_layout(target, tmp_path / "work")
+    config = json.loads((work / "config.json").read_text())
+    assert config["model_type"] == "minimax_m3_vl"
+    assert config["text_config"]["num_mtp_modules"] == 1
+    assert (work / "model.safetensors").resolve() == (target / "model.safetensors").resolve()
+    assert not (work / "mtp").exists()
+    assert json.loads((target / "config.json").read_text())["model_type"] != "minimax_m3_vl"
+    row = check({"method": "mtp", "num_speculative_tokens": 2}, str(work))
+    assert row.outcome is Outcome.ABSENT and "not initialized" in row.text

@@ -18,6 +18,7 @@ server: the draft's attention backend in the log, vLLM's spec-decode counters fr
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,41 @@ def compiled_after_ready(log_after_ready: str, series_kernels: set[str]) -> dict
             if kernel not in series_kernels and kernel not in STOCK_KERNELS_COMPILED_AFTER_READY
         ],
     }
+
+
+# --- method mtp on a checkpoint without the tensors (tests/gpu_e2e/mtp_without_tensors.py) ---
+
+# vLLM 0.34.0's DefaultModelLoader, when a checkpoint without a quantization config leaves
+# parameters unloaded (model_executor/model_loader/default_loader.py).
+NOT_INITIALIZED = "Following weights were not initialized from checkpoint"
+
+
+def published_layout(target: Path, work: Path, mtp_modules: int = 1) -> Path:
+    """``work``: the tiny checkpoint's top-level files (links) under the published
+    ``minimax_m3_vl`` wrapper config, whose text config declares ``mtp_modules`` MTP modules
+    (what vLLM 0.34.0 rewrites into a ``MiniMaxM3MTP`` draft of the target itself)."""
+    from vllm_minimax.tiny_model import (
+        PUBLISHED_MODEL_TYPE,
+        PUBLISHED_MODEL_TYPE_LAYOUT,
+        target_config_json,
+    )
+
+    target, work = Path(target), Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    for entry in target.iterdir():
+        if entry.is_file() and entry.name != "config.json":
+            link = work / entry.name
+            if not link.exists():
+                link.symlink_to(entry.resolve())
+    config = json.loads((target / "config.json").read_text())
+    if config.get("model_type") != PUBLISHED_MODEL_TYPE:
+        config = target_config_json(config, PUBLISHED_MODEL_TYPE_LAYOUT)
+    config["text_config"]["num_mtp_modules"] = mtp_modules
+    (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return work
+
+
+def not_initialized(text: str) -> list[str]:
+    """The parameter names the loader's message lists (``...: {'a', 'b'}``), sorted."""
+    match = re.search(NOT_INITIALIZED + r": (\{[^}]*\})", text)
+    return sorted(re.findall(r"'([^']+)'", match[1])) if match else []
