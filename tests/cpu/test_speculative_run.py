@@ -202,3 +202,60 @@ def test_the_published_layout_declares_a_module_and_carries_none(tmp_path: Path)
     assert json.loads((target / "config.json").read_text())["model_type"] != "minimax_m3_vl"
     row = check({"method": "mtp", "num_speculative_tokens": 2}, str(work))
     assert row.outcome is Outcome.ABSENT and "not initialized" in row.text
+
+
+def _demo_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "gpu_e2e" / "mtp_without_tensors.py"
+    spec = importlib.util.spec_from_file_location("mtp_without_tensors", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("raised", "expected_exit"),
+    [
+        (ValueError(f"{speculative_run.NOT_INITIALIZED}: {{'model.layers.0.eh_proj.weight'}}"), 0),
+        (RuntimeError("CUDA out of memory"), 1),  # stopped, for another reason
+        (None, 1),  # started: not what vLLM 0.34.0's loader does
+    ],
+    ids=["the-loaders-check", "another-error", "started"],
+)
+def test_the_demonstration_reports_what_stopped_the_engine(
+    tmp_path: Path, monkeypatch, raised, expected_exit
+) -> None:
+    """The GPU script's own logic with a stand-in `vllm.LLM`: exit 0 only for the loader's
+    message naming the MTP module's parameters, with doctor's row absent."""
+    import sys
+    import types
+
+    from vllm_minimax.tiny_model import write_tiny_config_files
+
+    target = tmp_path / "tiny"
+    write_tiny_config_files(target)
+    header = json.dumps({"model.layers.0.self_attn.q_proj.weight": {}}).encode()
+    (target / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    seen: dict = {}
+
+    def fake_llm(**kwargs):
+        seen.update(kwargs)
+        if raised is not None:
+            raise raised
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=fake_llm))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # restored after main sets 0
+    out = tmp_path / "result.json"
+    code = _demo_module().main(
+        ["--target", str(target), "--work", str(tmp_path / "work"), "--out", str(out)]
+    )
+    assert code == expected_exit
+    result = json.loads(out.read_text())
+    assert result["doctor"][0] == "absent"
+    assert seen["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert seen["model"] == str(tmp_path / "work")
+    assert result["engine"] == ("started" if raised is None else "stopped")
+    if expected_exit == 0:
+        assert result["not_initialized"] == ["model.layers.0.eh_proj.weight"]
