@@ -18,7 +18,10 @@ What happens when they are absent is vLLM's default loader's business
 checkpoint without a quantization config it compares the parameters built with those loaded
 and raises ``ValueError: Following weights were not initialized from checkpoint``, so
 ``vllm serve`` stops; for a quantized checkpoint (the MXFP8 one) that check is off by default,
-so the engine starts and drafts from parameters nothing wrote.
+so the engine starts and drafts from parameters nothing wrote. It never runs for an EAGLE3
+draft (``Eagle3LlamaForCausalLM.load_weights`` returns no loaded set), which therefore starts
+with whatever it lacks unset. doctor exits 5 for every absent case: the engine stops, or it
+serves a draft that cannot draft.
 
 The weight names come from ``model.safetensors.index.json`` (or the header of a single
 ``model.safetensors``) in a local directory or the local Hugging Face cache; nothing is
@@ -77,6 +80,7 @@ class CheckpointRow:
 
     @property
     def stops_serve(self) -> bool:
+        """vllm serve stops at load, or serves a draft whose weights nothing wrote: exit 5."""
         return self.outcome is Outcome.ABSENT
 
 
@@ -301,5 +305,7 @@ def _check_eagle3(draft: str, revision: str | None) -> CheckpointRow:
         )
     return CheckpointRow(
         Outcome.ABSENT,
-        f"method eagle3: the draft lacks {', '.join(missing)} ({where}); vLLM 0.34.0 stops at load",
+        f"method eagle3: the draft lacks {', '.join(missing)} ({where}); vLLM 0.34.0 does not"
+        " check an EAGLE3 draft's weights (Eagle3LlamaForCausalLM.load_weights returns no"
+        " loaded set), so the engine starts with these never written",
     )

@@ -58,7 +58,8 @@ EXIT_CODES = f"""exit status:
   {EXIT_CANNOT_CHECK}  cannot check here: no GPU and no --capability (pass --capability 9.0, say)
   {EXIT_FAILS}  will not start as configured: vLLM refuses the config or a forced backend, or
      the vLLM tree fails to import, or (--model) the checkpoint lacks the speculative draft's
-     weights (an unquantized one stops vLLM at load; a quantized one starts with them unset)
+     weights (an unquantized one stops vLLM at load; a quantized checkpoint or an EAGLE3
+     draft starts with them unset)
   With --model, a checkpoint whose weight index is not here turns exit 0 into
   exit {EXIT_CANNOT_CHECK}"""
 

@@ -175,7 +175,8 @@ def test_eagle3_draft_checked_in_its_own_index(tmp_path: Path) -> None:
         tmp_path / "broken", [n for n in EAGLE3_NAMES if n != "fc.weight"], {}
     )
     row = check({**speculative, "model": str(broken)}, str(target))
-    assert row.outcome is Outcome.ABSENT and "fc.weight" in row.text
+    assert row.outcome is Outcome.ABSENT and row.stops_serve and "fc.weight" in row.text
+    assert "starts with these never written" in row.text  # vLLM does not check EAGLE3 drafts
     remote = {**speculative, "model": "Inferact/NoSuchDraftHere"}
     assert check(remote, str(target)).outcome is Outcome.CANNOT_CHECK
 
