@@ -153,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
         " list`), e.g. h200-8x",
     )
     doctor_parser.add_argument(
+        "--model",
+        metavar="PATH_OR_ID",
+        help="the checkpoint vllm serve is given: doctor reads its weight index (a directory,"
+        " or the local Hugging Face cache; nothing is downloaded) for the config's speculative"
+        " draft weights",
+    )
+    doctor_parser.add_argument(
         "--capability",
         type=capability_option,
         metavar="X.Y",

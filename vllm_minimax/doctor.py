@@ -22,12 +22,13 @@ import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from vllm_minimax import cuda_bindings, doctor_cache, patchset
+from vllm_minimax import checkpoint_weights, cuda_bindings, doctor_cache, patchset
 from vllm_minimax.serve_config import (
     ServeConfig,
     ServeConfigError,
     default_serve_config,
     read_serve_config,
+    read_serve_options,
 )
 
 if TYPE_CHECKING:
@@ -56,7 +57,11 @@ EXIT_CODES = f"""exit status:
      key or flag changes it, or that none does on this GPU)
   {EXIT_CANNOT_CHECK}  cannot check here: no GPU and no --capability (pass --capability 9.0, say)
   {EXIT_FAILS}  will not start as configured: vLLM refuses the config or a forced backend, or
-     the vLLM tree fails to import"""
+     the vLLM tree fails to import, or (--model) the checkpoint lacks the speculative draft's
+     weights (an unquantized one stops vLLM at load; a quantized checkpoint or an EAGLE3
+     draft starts with them unset)
+  With --model, a checkpoint whose weight index is not here turns exit 0 into
+  exit {EXIT_CANNOT_CHECK}"""
 
 
 class Captured:
@@ -204,19 +209,52 @@ def main(args: argparse.Namespace) -> int:
     except ServeConfigError as error:
         print(f"vllm-minimax: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        checkpoint = checkpoint_row(args)
+    except (ServeConfigError, ValueError) as error:
+        print(f"vllm-minimax: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
     state = patchset.series_state(args.target)
     print("\n".join(status_lines(state, args.verbose)))
     logs: list[str] = []
     try:
-        return report(args, config, state, logs)
+        return report(args, config, state, logs, checkpoint)
     finally:
         if args.verbose and any(logs):
             print("--- what torch, FlashInfer and vLLM printed ---", file=sys.stderr)
             print("".join(logs), file=sys.stderr, end="")
 
 
+def checkpoint_row(args: argparse.Namespace) -> checkpoint_weights.CheckpointRow | None:
+    """With --model, whether the checkpoint carries the config's speculative weights."""
+    if getattr(args, "model", None) is None:
+        return None
+    options = {} if args.config is None else read_serve_options(args.config)
+    speculative = checkpoint_weights.speculative_options(options)
+    return checkpoint_weights.check(speculative, args.model)
+
+
+def with_checkpoint(
+    code: int, text: str, checkpoint: checkpoint_weights.CheckpointRow | None
+) -> tuple[int, str]:
+    """The exit status once the checkpoint row is counted: missing draft weights stop the
+    engine (exit 5); an index not here leaves a ready result unchecked (exit 4)."""
+    if checkpoint is None:
+        return code, text
+    print(f"checkpoint:   {checkpoint.outcome.value}: {checkpoint.text}")
+    if checkpoint.stops_serve and code in (EXIT_READY, EXIT_FALLBACK, EXIT_CANNOT_CHECK):
+        return EXIT_FAILS, "the checkpoint lacks the speculative draft's weights (see above)"
+    if checkpoint.outcome is checkpoint_weights.Outcome.CANNOT_CHECK and code == EXIT_READY:
+        return EXIT_CANNOT_CHECK, "runs as configured, but the checkpoint was not checked"
+    return code, text
+
+
 def report(
-    args: argparse.Namespace, config: ServeConfig, state: patchset.SeriesState, logs: list[str]
+    args: argparse.Namespace,
+    config: ServeConfig,
+    state: patchset.SeriesState,
+    logs: list[str],
+    checkpoint: checkpoint_weights.CheckpointRow | None = None,
 ) -> int:
     with captured_output() as captured:
         gpu, real_capability = gpu_line()
@@ -232,6 +270,7 @@ def report(
     print(f"FlashInfer:   {flashinfer}")
     print("\n".join([*cuda_bindings_lines(problem), *describe_config(config)]))
     code, text = verdict(args, config, state, real_capability, store, logs)
+    code, text = with_checkpoint(code, text, checkpoint)
     if store is not None and store.used:
         print(
             f"stored:       answers above found {min(store.used)} in this same environment,"

@@ -30,6 +30,12 @@ embedding, which the config never quantizes). With that assumption the text mode
 ~442 GB, and with the bf16 vision tower it matches the ~444 GB the checkpoint is published
 at; quantized attention is what makes it match (bf16 attention would add ~6.6 GB).
 
+A speculative draft served beside the target (:data:`DRAFTS`, the budget's ``draft`` field) adds
+its own weights, bf16 (vLLM loads the draft with the draft's quantization, none for the EAGLE3
+heads), split ``TP`` ways except ``fc`` (a ``ReplicatedLinear`` in vLLM's
+``llama_eagle3.py``), and K and V of its decoder layer for every token, in the target's
+KV-cache dtype (the draft inherits it unless ``speculative-config`` sets its own).
+
 The KV cache costs, per token and rank, K and V of every attention layer's KV heads on that
 rank in the KV-cache dtype, plus one index key per sparse layer in the index-cache dtype
 (``MLAAttentionSpec``: one vector a token): 38016 bytes at TP 8 with a bf16 KV cache and an
@@ -76,6 +82,62 @@ CHECKPOINTS: dict[str, Checkpoint] = {
         ),
     )
 }
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A published speculative draft: what it adds to each GPU beside the target.
+
+    ``parameters``: all of its weights (model card), split over the TP ranks except
+    ``replicated`` (held whole on every rank); ``kv_width``: the K (and V) width of each of
+    its ``layers`` attention layers, all heads together."""
+
+    name: str
+    parameters: int
+    replicated: int
+    kv_width: int
+    layers: int
+    source: str
+
+
+M3_HIDDEN = 6144
+EAGLE3_AUX_STATES = 3
+DRAFTS: dict[str, Draft] = {
+    draft.name: draft
+    for draft in (
+        Draft(
+            "Inferact/MiniMax-M3-EAGLE3",
+            parameters=3_300_000_000,
+            replicated=EAGLE3_AUX_STATES * M3_HIDDEN * M3_HIDDEN,
+            kv_width=M3_HIDDEN,
+            layers=1,
+            source="model card: a 1-layer dense Llama (LlamaForCausalLMEagle3), ~3.3 B"
+            " parameters, hidden 6144, MHA; its config.json is not read here, so the"
+            " parameter count is the card's (an upper bound if it counts an embedding and LM"
+            " head that vLLM replaces with the target's), fc is 3 x 6144 -> 6144, and the KV"
+            " width assumes heads x head_dim = hidden",
+        ),
+    )
+}
+NO_DRAFT = "none"
+
+
+def draft_bytes_per_gpu(draft: Draft | None, tensor_parallel_size: int) -> float:
+    """The draft's bf16 weights on one GPU."""
+    if draft is None:
+        return 0.0
+    sharded = (draft.parameters - draft.replicated) / tensor_parallel_size
+    return (sharded + draft.replicated) * BYTES_PER_PARAMETER["bf16"]
+
+
+def draft_kv_bytes_per_token(
+    draft: Draft | None, tensor_parallel_size: int, kv_cache_dtype: str = "auto"
+) -> int:
+    """K and V of the draft's layers for one token on one GPU (its heads split TP ways)."""
+    if draft is None:
+        return 0
+    width = _divide(draft.kv_width, tensor_parallel_size, f"{draft.name}'s KV width")
+    return draft.layers * width * 2 * KV_CACHE_BYTES[kv_cache_dtype]
 
 
 @dataclass(frozen=True)
@@ -197,14 +259,18 @@ def weight_bytes_per_gpu(
     parallelism: Parallelism,
     mtp_modules: int = 0,
     config: dict[str, Any] | None = None,
+    draft: Draft | None = None,
 ) -> dict[str, float]:
-    """Bytes of each part of :func:`parameters_per_gpu` as ``checkpoint`` stores it."""
+    """Bytes of each part of :func:`parameters_per_gpu` as ``checkpoint`` stores it, and the
+    ``draft``'s weights (part ``draft``, 0 without one)."""
     linear = BYTES_PER_PARAMETER[checkpoint.linear_storage]
     storage = {"router": BYTES_PER_PARAMETER["fp32"], "embedding": 2.0, "norm": 2.0}
-    return {
+    parts = {
         part: count * storage.get(part, linear)
         for part, count in parameters_per_gpu(parallelism, mtp_modules, config).items()
     }
+    parts["draft"] = draft_bytes_per_gpu(draft, parallelism.tensor_parallel_size)
+    return parts
 
 
 def kv_bytes_per_token(
@@ -213,22 +279,25 @@ def kv_bytes_per_token(
     indexer_kv_dtype: str = "bf16",
     mtp_modules: int = 0,
     config: dict[str, Any] | None = None,
+    draft: Draft | None = None,
 ) -> int:
     """KV-cache bytes one token costs on one GPU: K and V of every attention layer (and MTP
-    layer) for that rank's KV heads, plus one index key per sparse layer."""
+    layer, and the draft's layers) for that rank's KV heads, plus one index key per sparse
+    layer."""
     config = M3_TEXT_CONFIG if config is None else config
     kv_heads = _kv_heads_per_rank(config, parallelism.tensor_parallel_size)
     layers = config["num_hidden_layers"] + mtp_modules
     sparse_layers = config["layer_types"].count("minimax_m3_sparse") + mtp_modules
     kv = layers * kv_heads * config["head_dim"] * 2 * KV_CACHE_BYTES[kv_cache_dtype]
     index = sparse_layers * config["index_head_dim"] * INDEX_CACHE_BYTES[indexer_kv_dtype]
-    return kv + index
+    drafted = draft_kv_bytes_per_token(draft, parallelism.tensor_parallel_size, kv_cache_dtype)
+    return kv + index + drafted
 
 
 # --- The budget a serving config states ------------------------------------------------------
 
 BUDGET_MARKER = "# Memory budget per GPU"
-BUDGET_FIELDS = ("checkpoint", "gpu", "mtp-modules", "weights", "kv-cache", "reserve")
+BUDGET_FIELDS = ("checkpoint", "gpu", "mtp-modules", "draft", "weights", "kv-cache", "reserve")
 _FIELD_LINE = re.compile(r"^#\s+(?P<key>[a-z-]+):\s+(?P<value>.+?)\s*$")
 _GIB_VALUE = re.compile(r"^(?P<number>[0-9]+(?:\.[0-9]+)?) GiB\b")
 _TOKENS_VALUE = re.compile(r"^(?P<number>[0-9][0-9,]*) tokens\b")
@@ -245,6 +314,7 @@ class StatedBudget:
     checkpoint: Checkpoint
     card: Card
     mtp_modules: int
+    draft: Draft | None
     weights_gib: float
     kv_tokens: int
     reserve_gib: float
@@ -274,6 +344,10 @@ def read_stated_budget(text: str, source: str = "config") -> StatedBudget:
     checkpoint = CHECKPOINTS.get(fields["checkpoint"].split()[0])
     if checkpoint is None:
         raise BudgetError(f"{source}: unknown checkpoint {fields['checkpoint']!r}")
+    draft_name = fields["draft"].split()[0]
+    if draft_name != NO_DRAFT and draft_name not in DRAFTS:
+        known = ", ".join([NO_DRAFT, *DRAFTS])
+        raise BudgetError(f"{source}: unknown draft {fields['draft']!r} (known: {known})")
     card = CARDS.get(fields["gpu"].split()[0])
     if card is None:
         raise BudgetError(f"{source}: unknown gpu {fields['gpu']!r} (known: {', '.join(CARDS)})")
@@ -281,6 +355,7 @@ def read_stated_budget(text: str, source: str = "config") -> StatedBudget:
         checkpoint=checkpoint,
         card=card,
         mtp_modules=int(fields["mtp-modules"].split()[0]),
+        draft=DRAFTS.get(draft_name),
         weights_gib=_number(_GIB_VALUE, fields["weights"], source, "weights"),
         kv_tokens=int(_number(_TOKENS_VALUE, fields["kv-cache"], source, "kv-cache")),
         reserve_gib=_number(_GIB_VALUE, fields["reserve"], source, "reserve"),
@@ -334,8 +409,11 @@ def check_serving_config(path: Path) -> BudgetCheck:
         kv_cache_dtype=str(keys.get("kv-cache-dtype", "auto")),
         indexer_kv_dtype=str(attention.get("indexer_kv_dtype", "bf16")),
         mtp_modules=budget.mtp_modules,
+        draft=budget.draft,
     )
-    weights = weight_bytes_per_gpu(budget.checkpoint, parallelism, budget.mtp_modules)
+    weights = weight_bytes_per_gpu(
+        budget.checkpoint, parallelism, budget.mtp_modules, draft=budget.draft
+    )
     utilization = float(keys.get("gpu-memory-utilization", VLLM_DEFAULT_GPU_MEMORY_UTILIZATION))
     return BudgetCheck(
         config=Path(path),

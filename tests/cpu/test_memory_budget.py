@@ -15,6 +15,7 @@ import pytest
 from vllm_minimax.memory_budget import (
     CARDS,
     CHECKPOINTS,
+    DRAFTS,
     GIB,
     BudgetError,
     Parallelism,
@@ -135,6 +136,42 @@ def test_each_mtp_module_adds_one_sparse_layers_kv_and_index_key():
     assert added == 1 * 128 * 2 * 2 + 128  # K and V of one KV head in bf16, one fp8 index key
 
 
+EAGLE3 = DRAFTS["Inferact/MiniMax-M3-EAGLE3"]
+
+
+def test_the_draft_adds_its_weights_and_its_kv():
+    """The EAGLE3 head on one GPU at TP 8: its ~3.3 B bf16 parameters split 8 ways but fc
+    (3 x 6144 -> 6144) whole, and K and V of its one 6144-wide layer split 8 ways."""
+    tp8 = Parallelism(tensor_parallel_size=8, enable_expert_parallel=True)
+    without = weight_bytes_per_gpu(MXFP8, tp8)
+    with_draft = weight_bytes_per_gpu(MXFP8, tp8, draft=EAGLE3)
+    fc = 3 * 6144 * 6144
+    added = sum(with_draft.values()) - sum(without.values())
+    assert added == pytest.approx(((3_300_000_000 - fc) / 8 + fc) * 2)
+    assert 0.9 < added / GIB < 1.0
+    kv_added = kv_bytes_per_token(tp8, "auto", "fp8", draft=EAGLE3) - kv_bytes_per_token(
+        tp8, "auto", "fp8"
+    )
+    assert kv_added == 1 * (6144 // 8) * 2 * 2
+
+
+@pytest.mark.parametrize("config", BUDGETED_CONFIGS, ids=lambda path: path.name)
+def test_the_budget_counts_the_draft_the_config_serves(config):
+    """A config that serves an EAGLE3 draft budgets that draft and no MTP modules; one that
+    serves method mtp budgets the modules the checkpoint declares and no draft."""
+    import yaml
+
+    speculative = yaml.safe_load(config.read_text()).get("speculative-config") or {}
+    budget = read_stated_budget(config.read_text(), config.name)
+    if speculative.get("method") == "eagle3":
+        assert budget.draft is not None and budget.draft.name == speculative["model"]
+        assert budget.mtp_modules == 0
+    elif speculative.get("method") == "mtp":
+        assert budget.draft is None and budget.mtp_modules > 0
+    else:
+        assert budget.draft is None and budget.mtp_modules == 0
+
+
 def test_there_are_sm90_configs():
     names = {path.name for path in SM90_CONFIGS}
     assert {"h100-8x.yaml", "h200-8x.yaml", "h100-16x-2node.yaml"} <= names
@@ -213,6 +250,9 @@ def test_the_configs_kv_cache_dtype_is_read(tmp_path):
     fp8 = check_serving_config(planted)
     layers = M3_TEXT_CONFIG["num_hidden_layers"] + bf16.budget.mtp_modules
     k_and_v = layers * 1 * M3_TEXT_CONFIG["head_dim"] * 2
+    draft = bf16.budget.draft
+    assert draft is not None  # the draft's K and V take the target's dtype too
+    k_and_v += draft.layers * draft.kv_width // 8 * 2
     assert bf16.kv_bytes_per_token - fp8.kv_bytes_per_token == k_and_v
     assert fp8.kv_gib == pytest.approx(
         bf16.kv_gib * fp8.kv_bytes_per_token / bf16.kv_bytes_per_token
@@ -234,8 +274,17 @@ def test_a_lower_gpu_memory_utilization_is_read(tmp_path):
         (lambda text: re.sub(r"(?m)^#\s+reserve:.*\n", "", text), "lacks reserve"),
         (lambda text: text.replace("gpu: H100-80GB", "gpu: A100-80GB"), "unknown gpu"),
         (lambda text: text.replace("MiniMaxAI/MiniMax-M3-MXFP8", "x/y"), "unknown checkpoint"),
+        (lambda text: re.sub(r"(?m)^#\s+draft:.*\n", "", text), "lacks draft"),
+        (lambda text: text.replace("draft: Inferact/", "draft: Nobody/"), "unknown draft"),
     ],
-    ids=["no-block", "missing-field", "unknown-gpu", "unknown-checkpoint"],
+    ids=[
+        "no-block",
+        "missing-field",
+        "unknown-gpu",
+        "unknown-checkpoint",
+        "no-draft-field",
+        "unknown-draft",
+    ],
 )
 def test_a_malformed_budget_is_refused(edit, message):
     text = edit((CONFIG_DIR / "h100-8x.yaml").read_text())

@@ -71,7 +71,7 @@ def test_engine_settings_of_a_shipped_config():
     settings = prebuild.read_engine_settings(CONFIG)
     assert (settings.tensor_parallel_size, settings.max_model_len) == (8, 131072)
     assert (settings.max_num_seqs, settings.max_num_batched_tokens) == (256, 16384)
-    assert settings.num_speculative_tokens == 2
+    assert settings.num_speculative_tokens == 3  # h200-8x: EAGLE3 with K = 3
     assert settings.kv_cache_dtype == "auto"
     assert prebuild.read_engine_settings(CONFIG, "fp8").kv_cache_dtype == "fp8"
 

