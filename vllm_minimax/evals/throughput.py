@@ -508,15 +508,8 @@ def run_throughput(
             for scenario, record in zip(preset.scenarios, results["scenarios"], strict=True):
                 if offset == 0:
                     label = f"throughput {scenario.name} warm-up"
-                    if scenario.prefix_cached:
-                        for level_index, concurrency in enumerate(scenario.concurrency):
-                            seed = level_seed(
-                                preset.seed, scenario.name, level_index, concurrency, 0
-                            )
-                            send(scenario_prompts(scenario, vocabulary, seed), concurrency, label)
-                    else:
-                        warmup = warmup_prompts(scenario, vocabulary, preset.seed)
-                        send(warmup, len(warmup), label)
+                    for prompts, concurrency in warmup_sends(scenario, vocabulary, preset.seed):
+                        send(prompts, concurrency, label)
                 for level_index, concurrency in enumerate(scenario.concurrency):
                     label = f"throughput {scenario.name} concurrency {concurrency}"
                     if repeat > 1 or round_number:
@@ -543,6 +536,21 @@ def run_throughput(
     results["complete"] = True
     write_json(out_path, results)
     return results
+
+
+def warmup_sends(
+    scenario: ThroughputScenario, vocabulary: Vocabulary, seed: int
+) -> list[tuple[list[tuple[list[int], RequestShape]], int]]:
+    """What a scenario's warm-up sends, as (prompts, concurrency) pairs: a prefix-cached
+    scenario sends each level's own prompts at the level's concurrency (the measured levels
+    then find them cached); any other, one request per shape at once (`warmup_prompts`)."""
+    if scenario.prefix_cached:
+        return [
+            (scenario_prompts(scenario, vocabulary, level_seed(seed, scenario.name, i, c, 0)), c)
+            for i, c in enumerate(scenario.concurrency)
+        ]
+    warmup = warmup_prompts(scenario, vocabulary, seed)
+    return [(warmup, len(warmup))]
 
 
 def warmup_prompts(
