@@ -256,3 +256,19 @@ def test_a_long_function_is_reported() -> None:
     source = f"def short():\n    pass\n\n\ndef long():\n{body}\n"
     assert long_functions(source, 80) == ["long (82 lines)"]
     assert long_functions(source, 82) == []
+
+
+WHERE_IT_RAN_LINE_LIMIT = 300
+
+
+def test_the_readmes_where_it_ran_gives_a_short_line_per_card_and_run() -> None:
+    """README's "where it ran" cell: one line (``<br>``-separated) per card and what ran, each
+    under 300 characters and opening with the card, the figures left to the linked reports."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    [row] = [line for line in readme.splitlines() if line.startswith("| where it ran | ")]
+    lines = row.removeprefix("| where it ran | ").removesuffix(" |").split("<br>")
+    assert len(lines) >= 2
+    for line in lines:
+        assert len(line) < WHERE_IT_RAN_LINE_LIMIT, line
+        assert re.match(r"(H100|H200|GB10|RTX PRO 6000)\b", line), line
+        assert MARKDOWN_LINK.search(line), line
