@@ -29,7 +29,9 @@ are scattered (a random permutation of the cache's blocks), the block table 1024
 (max_model_len 131072). Each case draws fresh random inputs; both layouts hold the same
 logical K and V. Times are CUDA-graph replays of one captured call, timed with CUDA events;
 rounds alternate which layout runs first, and the report gives the median of the round
-medians (ms per layer call) with min..max.
+medians (ms per layer call) with min..max (timing through `benchmarks.timing`; the outputs are
+poisoned before the timed replays, and a row whose output any element of was left unwritten
+fails).
 
 Checks, each of which fails the run (exit 1, after the JSON is written): on every case the
 two layouts' outputs agree (max abs difference at most ``LAYOUT_ATOL``); on a small mixed
@@ -42,13 +44,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from benchmarks import timing
 from vllm_minimax.tiny_model import M3_TEXT_CONFIG
 
 HEAD_DIM: int = M3_TEXT_CONFIG["head_dim"]
@@ -366,35 +368,6 @@ def rel_l2(got: Any, want: Any) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30))
 
 
-def _graph(fn: Any) -> Any:
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def _time_ms(fn: Any, iters: int) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def run_case(case: Case, seed: int, rounds: int, iters: int, device: Any) -> dict[str, Any]:
     """Both layouts' times and outputs for one case. Times are CUDA-graph replays; where
     capture fails (it should not), back-to-back eager calls, and the row says so."""
@@ -403,37 +376,40 @@ def run_case(case: Case, seed: int, rounds: int, iters: int, device: Any) -> dic
     step = Step(case, seed, device)
     caches = {layout: LayerCache(layout, step.logical, case.kv_dtype) for layout in LAYOUTS}
     calls = {layout: partial(step.attend, caches[layout], step.out[layout]) for layout in LAYOUTS}
-    timing = "graph"
+    mode = "graph"
     graphs: dict[str, Any] = {}
     try:
         for layout in LAYOUTS:
-            graphs[layout] = _graph(calls[layout])
+            graphs[layout] = timing.capture_graph(calls[layout])
         runners = {layout: graphs[layout].replay for layout in LAYOUTS}
     except RuntimeError as exc:
         print(f"{case.workload.name}: CUDA-graph capture failed ({exc}); timing eager calls")
-        timing = "eager"
+        mode = "eager"
         runners = calls
-    samples: dict[str, list[float]] = {layout: [] for layout in LAYOUTS}
-    for r in range(rounds):
-        order = LAYOUTS[r % 2 :] + LAYOUTS[: r % 2]
-        for layout in order:
-            samples[layout].append(_time_ms(runners[layout], iters))
+    # What the timed calls leave unwritten stays NaN, and fails the row.
+    timing.poison(*step.out.values())
+    samples = timing.alternated_rounds(
+        {layout: partial(timing.per_call_ms, runners[layout], iters) for layout in LAYOUTS},
+        rounds,
+    )
     torch.cuda.synchronize()
     a, b = (step.out[layout].float() for layout in LAYOUTS)
     diff = float((a - b).abs().max())
     finite = bool(torch.isfinite(a).all() and torch.isfinite(b).all())
+    unwritten = {layout: timing.unwritten(step.out[layout]) for layout in LAYOUTS}
     row: dict[str, Any] = {
         "tp": case.tp,
         "heads": list(case.heads),
         "kv_dtype": case.kv_dtype,
         "case": case.workload.name,
         "num_splits": case.workload.num_splits,
-        "timing": timing,
+        "timing": mode,
         "samples_ms": samples,
         "layout_max_abs_diff": diff,
+        "unwritten": unwritten,
         "kv_bytes_read": case.kv_bytes_read,
         "flops": case.flops,
-        "ok": finite and diff <= LAYOUT_ATOL,
+        "ok": finite and diff <= LAYOUT_ATOL and not any(unwritten.values()),
     }
     del graphs, runners, calls, caches, step
     torch.cuda.empty_cache()
@@ -449,6 +425,7 @@ def check_reference(tp: int, kv_dtype: str, seed: int, device: Any) -> dict[str,
     errors = {}
     for layout in LAYOUTS:
         cache = LayerCache(layout, step.logical, kv_dtype)
+        timing.poison(step.out[layout])
         step.attend(cache, step.out[layout])
         torch.cuda.synchronize()
         errors[layout] = rel_l2(step.out[layout], ref)
@@ -481,7 +458,7 @@ def error_row(case: Case, exc: BaseException) -> dict[str, Any]:
 
 def summary(row: dict[str, Any]) -> dict[str, float]:
     """Median of round medians per layout, and LBHNC over LBNHC."""
-    med = {layout: statistics.median(row["samples_ms"][layout]) for layout in LAYOUTS}
+    med = {layout: timing.Spread.of(row["samples_ms"][layout]).median for layout in LAYOUTS}
     return {**med, "ratio": med["LBHNC"] / med["LBNHC"]}
 
 
@@ -508,13 +485,10 @@ def render(rows: list[dict[str, Any]], checks: list[dict[str, Any]], meta: dict[
             lines.append(f"{head}{row['case']} | error: {row['error'][:160]} |||||||| NO |")
             continue
         s = summary(row)
-        spread = max(
-            (max(row["samples_ms"][layout]) - min(row["samples_ms"][layout])) / s[layout]
-            for layout in LAYOUTS
-        )
-        timing = "" if row.get("timing", "graph") == "graph" else " (eager)"
+        spread = max(timing.Spread.of(row["samples_ms"][layout]).relative for layout in LAYOUTS)
+        eager_note = "" if row.get("timing", "graph") == "graph" else " (eager)"
         lines.append(
-            f"{head}{row['case']}{timing} | {s['LBNHC']:.4f} | {s['LBHNC']:.4f} | "
+            f"{head}{row['case']}{eager_note} | {s['LBNHC']:.4f} | {s['LBHNC']:.4f} | "
             f"{s['ratio']:.3f}x | "
             f"{_rate(row, s['LBNHC'])} | {_rate(row, s['LBHNC'])} | {spread:.1%} | "
             f"{row['layout_max_abs_diff']:.1e} | {'yes' if row['ok'] else 'NO'} |"

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import timing
 from vllm_minimax.testing import patched_module as pm
 from vllm_minimax.testing.indexer_cases import (
     cases_for_bench,
@@ -98,17 +99,7 @@ def graph_ms(fn) -> float | None:
     """do_bench median of a CUDA-graph replay of fn: its GPU time with almost
     no host cost (None where capture fails)."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        torch.cuda.synchronize()
-        return bench(g.replay)
+        return bench(timing.capture_graph(fn).replay)
     except Exception as exc:
         print(f"graph capture failed: {exc!r}")
         return None

@@ -10,7 +10,9 @@ through each impl's `forward` with metadata from its own builder. Times are GPU
 time per call: eager (CUDA events around back-to-back calls, host work
 included) and CUDA-graph replay of one captured call. Three rounds, the arms'
 order rotated each round; the report gives the median and the min..max of the
-round medians, and each arm's relative L2 against a float32 reference.
+round medians, and each arm's relative L2 against a float32 reference
+(`benchmarks.timing`). Each output is poisoned before its timed calls; a case
+whose replays left any element unwritten fails the run (exit 1).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from benchmarks import timing
 from vllm_minimax.testing import sparse_attention_cases as cases
 
 SCALE = 1.0 / math.sqrt(cases.HEAD_DIM)
@@ -87,34 +90,15 @@ class Arm:
         self.impl.forward(self.layer, self.query, self.kv, self.out)
 
 
-def _time(fn: Any, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def measure(arm: Arm, iters: int) -> tuple[float, float]:
-    """(eager ms, graph-replay ms) per call."""
+    """(eager ms, graph-replay ms) per call. The output is poisoned before each timed loop,
+    so what the replays leave unwritten stays NaN for the check after the rounds."""
     with cases.forward_context(arm.metadata):
-        for _ in range(3):
-            arm.call()
-        torch.cuda.synchronize()
-        eager = _time(arm.call, iters)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            arm.call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            arm.call()
-    graph.replay()
-    torch.cuda.synchronize()
-    replay = _time(graph.replay, iters)
+        timing.poison(arm.out)
+        eager = timing.per_call_ms(arm.call, iters)
+        graph = timing.capture_graph(arm.call, warmup=1)
+    timing.poison(arm.out)
+    replay = timing.per_call_ms(graph.replay, iters, warmup=1)
     return eager, replay
 
 
@@ -140,21 +124,24 @@ def main(argv: list[str] | None = None) -> int:
                 batch = cases.make_batch(shape, seed=len(rows), device=device)
                 ref = cases.reference_attention(batch, scale=SCALE)
                 arms = {a: Arm(a, batch, fa, common, VllmConfig()) for a in ARMS}
-                samples: dict[str, dict[str, list[float]]] = {
-                    a: {"eager": [], "graph": []} for a in ARMS
+                pairs = timing.alternated_rounds(
+                    {a: partial(measure, arms[a], args.iters) for a in ARMS}, args.rounds
+                )
+                samples = {
+                    a: {"eager": [e for e, _ in pairs[a]], "graph": [g for _, g in pairs[a]]}
+                    for a in ARMS
                 }
-                errors = {}
-                for r in range(args.rounds):
-                    order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
-                    for a in order:
-                        eager, replay = measure(arms[a], args.iters)
-                        samples[a]["eager"].append(eager)
-                        samples[a]["graph"].append(replay)
-                for a in ARMS:
-                    errors[a] = cases.rel_l2(arms[a].out, ref)
-                row = {"heads": heads, "case": name, "samples_ms": samples, "rel_l2": errors}
+                errors = {a: cases.rel_l2(arms[a].out, ref) for a in ARMS}
+                unwritten = {a: timing.unwritten(arms[a].out) for a in ARMS}
+                row = {
+                    "heads": heads,
+                    "case": name,
+                    "samples_ms": samples,
+                    "rel_l2": errors,
+                    "unwritten": unwritten,
+                }
                 rows.append(row)
-                med = {a: statistics.median(samples[a]["graph"]) for a in ARMS}
+                med = {a: timing.Spread.of(samples[a]["graph"]).median for a in ARMS}
                 print(
                     f"h{heads} {name:28s} graph ms "
                     + " ".join(f"{a}={med[a]:.4f}" for a in ARMS)
@@ -174,11 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (args.out / "table.md").write_text(render(rows, meta))
     print(render(rows, meta))
+    unwritten = [f"h{r['heads']} {r['case']}" for r in rows if any(r["unwritten"].values())]
+    if unwritten:
+        print(f"outputs left unwritten by the timed calls: {', '.join(unwritten)}", file=sys.stderr)
+        return 1
     return 0
 
 
 def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.4f} ({min(values):.4f}..{max(values):.4f})"
+    return timing.Spread.of(values).text()
 
 
 def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -193,9 +184,7 @@ def render(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for row in rows:
         s = row["samples_ms"]
         for mode in ("graph", "eager"):
-            ratio = statistics.median(s["triton-bf16"][mode]) / statistics.median(
-                s["flashinfer-fp8"][mode]
-            )
+            ratio = timing.median_ratio(s["triton-bf16"][mode], s["flashinfer-fp8"][mode])
             err = ", ".join(f"{row['rel_l2'][a]:.1e}" for a in ARMS)
             lines.append(
                 f"| {row['heads']}/1 | {row['case']} | {mode} | "

@@ -79,6 +79,11 @@ MAX_INITIALIZER_RANGE = 1.0
 MAX_MTP_MODULES = 8
 MAX_SEED = 2**63 - 1
 
+TARGET_HELP = (
+    "directory containing vllm/ (a vLLM source checkout root or a site-packages);"
+    " default: the vLLM installed in this Python environment"
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -96,11 +101,100 @@ def build_parser() -> argparse.ArgumentParser:
         version=f"{PROGRAM} {__version__} (patch series for vLLM {series})",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_parser in (
+        add_apply_parser,
+        add_revert_parser,
+        add_status_parser,
+        add_doctor_parser,
+        add_config_parser,
+        add_dev_parser,
+        add_make_tiny_model_parser,
+        add_warmup_parser,
+    ):
+        add_parser(commands)
+    add_eval_parsers(commands)
+    return parser
 
-    target_help = (
-        "directory containing vllm/ (a vLLM source checkout root or a site-packages);"
-        " default: the vLLM installed in this Python environment"
-    )
+
+# --- option types and output, shared by the commands -----------------------------------------
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]")
+        return value
+
+    return parse
+
+
+def positive_float(high: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and 0 < value <= high):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number in (0, {high}]")
+        return value
+
+    return parse
+
+
+def say(text: str) -> None:
+    """Print a line that may hold values read from the target, escaped (see `printable`)."""
+    print(printable(text, keep_newlines=False))
+
+
+def print_litter(removed: list[str]) -> None:
+    for path in removed:
+        say(f"  removed  {path} (left by an interrupted run)")
+
+
+class ReportFailed(Exception):
+    """apply or revert finished, but writing its report to standard output failed."""
+
+
+@contextlib.contextmanager
+def reporting_after_writing(done: str) -> Iterator[None]:
+    """A finished apply or revert reports what it wrote. Ctrl-C meanwhile, or standard output
+    that cannot be written (a full disk, a closed pipe), is said as such: the work is done."""
+    try:
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        raise Interrupted(
+            f"interrupted while reporting, after the writes finished: {done}"
+        ) from None
+    except OSError as error:
+        discard_standard_output()
+        raise ReportFailed(
+            f"{done}, but its report could not be written to standard output:"
+            f" {error.strerror or error}"
+        ) from None
+
+
+def discard_standard_output() -> None:
+    """Point standard output at /dev/null, so that what is still buffered cannot fail again
+    when Python exits."""
+    with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+        descriptor = sys.stdout.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, descriptor)
+        os.close(null)
+
+
+# --- apply, revert, status -------------------------------------------------------------------
+
+
+def add_apply_parser(commands: Any) -> None:
+    """``apply``: the series onto the target's vLLM."""
     apply_parser = commands.add_parser(
         "apply",
         help="apply the patch series to vLLM",
@@ -109,9 +203,26 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=APPLY_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    apply_parser.add_argument("--target", type=path_argument, metavar="DIR", help=target_help)
+    apply_parser.add_argument("--target", type=path_argument, metavar="DIR", help=TARGET_HELP)
     apply_parser.set_defaults(handler=run_apply)
 
+
+def run_apply(args: argparse.Namespace) -> int:
+    raise_on_sigterm()  # before and after the transaction too, SIGTERM reports like Ctrl-C
+    result = apply_series(args.target)
+    with reporting_after_writing(f"{result.series_dir.name} is applied to {result.root}"):
+        print_litter(result.litter_removed)
+        if result.already_applied:
+            say(f"already applied: {result.series_dir.name} on {result.root}; nothing changed")
+            return 0
+        say(f"applied {result.series_dir.name} to {result.root} (vLLM {result.vllm_version})")
+        for path in result.changed:
+            say(f"  patched  {path}")
+    return 0
+
+
+def add_revert_parser(commands: Any) -> None:
+    """``revert``: the files apply changed, restored."""
     revert_parser = commands.add_parser(
         "revert",
         help="restore vLLM's original files",
@@ -120,9 +231,25 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=REVERT_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    revert_parser.add_argument("--target", type=path_argument, metavar="DIR", help=target_help)
+    revert_parser.add_argument("--target", type=path_argument, metavar="DIR", help=TARGET_HELP)
     revert_parser.set_defaults(handler=run_revert)
 
+
+def run_revert(args: argparse.Namespace) -> int:
+    raise_on_sigterm()  # before and after the transaction too, SIGTERM reports like Ctrl-C
+    result = revert_series(args.target)
+    with reporting_after_writing(f"{result.series} is reverted on {result.root}"):
+        print_litter(result.litter_removed)
+        say(f"reverted {result.series} on {result.root}")
+        for path in result.restored:
+            say(f"  restored {path}")
+        for path in result.removed:
+            say(f"  removed  {path}")
+    return 0
+
+
+def add_status_parser(commands: Any) -> None:
+    """``status``: whether the series is applied, file by file."""
     status_parser = commands.add_parser(
         "status",
         help="show whether the series is applied",
@@ -130,9 +257,22 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=STATUS_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    status_parser.add_argument("--target", type=path_argument, metavar="DIR", help=target_help)
+    status_parser.add_argument("--target", type=path_argument, metavar="DIR", help=TARGET_HELP)
     status_parser.set_defaults(handler=run_status)
 
+
+def run_status(args: argparse.Namespace) -> int:
+    state = series_state(args.target)
+    print(format_status(state))
+    return state.exit_code
+
+
+# --- doctor ----------------------------------------------------------------------------------
+
+
+def add_doctor_parser(commands: Any) -> None:
+    """``doctor``: what `vllm serve --config FILE` would run here or on a given GPU."""
+    target_help = TARGET_HELP
     doctor_parser = commands.add_parser(
         "doctor",
         help="check what `vllm serve --config FILE` would run on this machine or a given GPU",
@@ -200,6 +340,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor_parser.set_defaults(handler=run_doctor)
 
+
+def capability_option(text: str) -> tuple[int, int]:
+    """``--capability``: MAJOR.MINOR of a known GPU generation."""
+    by_name = {f"{major}.{minor}": (major, minor) for major, minor in KNOWN_CAPABILITIES}
+    capability = by_name.get(text.strip())
+    if capability is not None:
+        return capability
+    known = ", ".join(by_name)
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not the MAJOR.MINOR compute capability of a known GPU; one of: {known}"
+    )
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from vllm_minimax import doctor
+
+    return int(doctor.main(args))
+
+
+# --- config ----------------------------------------------------------------------------------
+
+
+def add_config_parser(commands: Any) -> None:
+    """``config list`` and ``config path NAME``: the shipped serve configs."""
     config_parser = commands.add_parser(
         "config",
         help="list the shipped vllm serve configs, or print one's path",
@@ -217,6 +381,45 @@ def build_parser() -> argparse.ArgumentParser:
     config_path_parser.add_argument("name", metavar="NAME", help="e.g. h200-8x")
     config_path_parser.set_defaults(handler=run_config_path)
 
+
+def run_config_list(args: argparse.Namespace) -> int:
+    from vllm_minimax.serve_config import shipped_config_groups, stated_checkpoint
+
+    serving, eval_suite = shipped_config_groups()
+    width = max((len(name) for name in serving), default=0)
+    checkpoints = {
+        name: stated_checkpoint(path) or "(no checkpoint sized)" for name, path in serving.items()
+    }
+    checkpoint_width = max((len(text) for text in checkpoints.values()), default=0)
+    print('serving configs: vllm serve CHECKPOINT --config "$(vllm-minimax config path NAME)"')
+    for name, path in serving.items():
+        print(f"  {name:<{width}}  {checkpoints[name]:<{checkpoint_width}}  {path}")
+    print(
+        "the eval suite's server configs (tiny models, one rank with dummy weights; not for"
+        " serving MiniMax M3: evals/README.md)"
+    )
+    eval_width = max((len(name) for name in eval_suite), default=0)
+    for name, path in eval_suite.items():
+        print(f"  {name:<{eval_width}}  {path}")
+    return 0
+
+
+def run_config_path(args: argparse.Namespace) -> int:
+    from vllm_minimax.serve_config import ServeConfigError, resolve_config
+
+    try:
+        path = resolve_config(args.name)
+    except ServeConfigError as error:
+        raise PatchError(str(error)) from None
+    print(path.resolve())
+    return 0
+
+
+# --- dev -------------------------------------------------------------------------------------
+
+
+def add_dev_parser(commands: Any) -> None:
+    """``dev checkout`` and ``dev export``: the series as commits on pristine vLLM."""
     dev_parser = commands.add_parser("dev", help="work on the series in a git checkout of vLLM")
     dev_commands = dev_parser.add_subparsers(dest="dev_command", required=True, metavar="COMMAND")
     checkout_parser = dev_commands.add_parser(
@@ -238,6 +441,46 @@ def build_parser() -> argparse.ArgumentParser:
     export_parser.add_argument("directory", type=path_argument, metavar="DIR")
     export_parser.set_defaults(handler=run_dev_export)
 
+
+def run_dev_checkout(args: argparse.Namespace) -> int:
+    from vllm_minimax import devtree
+
+    raise_on_sigterm()  # so that a killed checkout removes what it made
+    checkout = devtree.checkout(args.version, args.directory, with_series=not args.pristine)
+    print(
+        f"checked out vLLM {checkout.version} in {checkout.directory}: pristine tree tagged"
+        f" {checkout.pristine_tag}, {len(checkout.patch_commits)} patch commit(s) on top"
+    )
+    return 0
+
+
+def run_dev_export(args: argparse.Namespace) -> int:
+    from vllm_minimax import devtree
+
+    exported = devtree.export(args.directory)
+    print(f"wrote {len(exported.patch_files)} patch(es) and series to {exported.series_dir}")
+    for path in exported.patch_files:
+        print(f"  {path.name}")
+    return 0
+
+
+# --- make-tiny-model -------------------------------------------------------------------------
+
+
+def tiny_model_config_layouts() -> tuple[str, ...]:
+    from vllm_minimax.tiny_model import CONFIG_LAYOUTS
+
+    return CONFIG_LAYOUTS
+
+
+def tiny_model_geometries() -> tuple[str, ...]:
+    from vllm_minimax.tiny_model import GEOMETRIES
+
+    return GEOMETRIES
+
+
+def add_make_tiny_model_parser(commands: Any) -> None:
+    """``make-tiny-model DIR``: a random-weight (or config-only) MiniMax M3 checkpoint."""
     tiny_parser = commands.add_parser(
         "make-tiny-model",
         help="write a random-weight tiny MiniMax M3 checkpoint (real indexer geometry) to DIR",
@@ -315,330 +558,6 @@ def build_parser() -> argparse.ArgumentParser:
         " (128 / N whole experts, as enable-expert-parallel serves them)",
     )
     tiny_parser.set_defaults(handler=run_make_tiny_model)
-
-    warmup_parser = commands.add_parser(
-        "warmup",
-        help="prebuild FlashInfer's JIT cache for a serving config (on the serving GPU, or"
-        " with --prebuild on any machine with the CUDA compiler); with --engine, fill every"
-        " compile cache by starting the engine once",
-    )
-    warmup_parser.add_argument(
-        "--config",
-        type=config_name_option,
-        required=True,
-        action="append",
-        metavar="YAML_OR_NAME",
-        help="a vllm serve config file, or a shipped config's name (e.g. h200-8x); with"
-        " --prebuild, repeat it for several",
-    )
-    warmup_parser.add_argument(
-        "--model",
-        default="MiniMaxAI/MiniMax-M3-MXFP8",
-        help="the model served (name or local path; default: MiniMaxAI/MiniMax-M3-MXFP8,"
-        " the checkpoint the SM90 configs are for)",
-    )
-    warmup_parser.add_argument(
-        "--cache-dir",
-        type=path_argument,
-        metavar="DIR",
-        help="FLASHINFER_WORKSPACE_BASE to build into (default: $FLASHINFER_WORKSPACE_BASE,"
-        " else the home directory); the cache lands in DIR/.cache/flashinfer",
-    )
-    prebuild = warmup_parser.add_argument_group(
-        "--prebuild",
-        "build without a GPU: FlashInfer picks each program as on the --gpu given, the CUDA"
-        " compiler builds it (docs/warm-start.md)",
-    )
-    prebuild.add_argument(
-        "--prebuild",
-        action="store_true",
-        help="build on this machine's CPU with the CUDA compiler, for SM90 (no GPU needed)",
-    )
-    prebuild.add_argument(
-        "--gpu",
-        action="append",
-        choices=sorted(GPU_TARGET_NAMES),
-        help="the SM90 GPU the server runs on (its SM count and vLLM's defaults for its"
-        " memory decide the programs); repeat for several; default: h100 and h200",
-    )
-    prebuild.add_argument(
-        "--kv-cache-dtype",
-        action="append",
-        default=None,
-        help="as vllm serve's --kv-cache-dtype, over the config's (fp8: also the sparse"
-        " attention's programs); repeat it for each dtype the server may run with",
-    )
-    prebuild.add_argument(
-        "--jobs",
-        type=bounded_int(1, 256),
-        default=None,
-        help="nvcc programs built at once (default: half the CPUs)",
-    )
-    prebuild.add_argument(
-        "--only",
-        metavar="GLOB",
-        action="append",
-        default=None,
-        help="build only the programs whose names match GLOB (repeatable; the rest are listed)",
-    )
-    prebuild.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="list the programs FlashInfer would build; build nothing",
-    )
-    engine = warmup_parser.add_argument_group(
-        "--engine",
-        "on the serving machine: start the configured engine briefly, so that every compile"
-        " cache a start fills (FlashInfer's, Humming's, Triton's, vLLM's) is filled once"
-        " (docs/compile-caches.md)",
-    )
-    engine.add_argument(
-        "--engine",
-        action="store_true",
-        help="start vllm serve with the config until it is ready, send a few requests, stop it",
-    )
-    from vllm_minimax import warm_engine
-
-    warm_engine.add_arguments(engine)
-    warmup_parser.set_defaults(handler=run_warmup)
-
-    add_eval_parsers(commands)
-    return parser
-
-
-def capability_option(text: str) -> tuple[int, int]:
-    """``--capability``: MAJOR.MINOR of a known GPU generation."""
-    by_name = {f"{major}.{minor}": (major, minor) for major, minor in KNOWN_CAPABILITIES}
-    capability = by_name.get(text.strip())
-    if capability is not None:
-        return capability
-    known = ", ".join(by_name)
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is not the MAJOR.MINOR compute capability of a known GPU; one of: {known}"
-    )
-
-
-def bounded_int(low: int, high: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {high}]")
-        return value
-
-    return parse
-
-
-def positive_float(high: float) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (math.isfinite(value) and 0 < value <= high):
-            raise argparse.ArgumentTypeError(f"{text} is not a finite number in (0, {high}]")
-        return value
-
-    return parse
-
-
-def run_warmup(args: argparse.Namespace) -> int:
-    if args.engine:
-        if (
-            args.prebuild
-            or args.gpu
-            or args.kv_cache_dtype
-            or args.jobs
-            or args.only
-            or args.dry_run
-        ):
-            print(
-                "vllm-minimax warmup: error: --engine starts the engine on this machine's GPUs;"
-                " --prebuild and its options build without one",
-                file=sys.stderr,
-            )
-            return 2
-        if len(args.config) > 1:
-            print("vllm-minimax warmup: error: one --config with --engine", file=sys.stderr)
-            return 2
-        from vllm_minimax import warm_engine
-
-        args.config = args.config[0]
-        return warm_engine.run(args)
-    if args.prebuild:
-        from vllm_minimax import prebuild
-
-        return prebuild.main(args)
-    if args.gpu or args.kv_cache_dtype or args.jobs or args.only or args.dry_run:
-        print(
-            "vllm-minimax warmup: error: --gpu, --kv-cache-dtype, --jobs, --only and --dry-run"
-            " go with --prebuild",
-            file=sys.stderr,
-        )
-        return 2
-    if len(args.config) > 1:
-        print(
-            "vllm-minimax warmup: error: one --config on the GPU (several go with --prebuild)",
-            file=sys.stderr,
-        )
-        return 2
-    from vllm_minimax import warmup
-
-    args.config = args.config[0]
-    return warmup.main(args)
-
-
-def say(text: str) -> None:
-    """Print a line that may hold values read from the target, escaped (see `printable`)."""
-    print(printable(text, keep_newlines=False))
-
-
-def print_litter(removed: list[str]) -> None:
-    for path in removed:
-        say(f"  removed  {path} (left by an interrupted run)")
-
-
-class ReportFailed(Exception):
-    """apply or revert finished, but writing its report to standard output failed."""
-
-
-def run_apply(args: argparse.Namespace) -> int:
-    raise_on_sigterm()  # before and after the transaction too, SIGTERM reports like Ctrl-C
-    result = apply_series(args.target)
-    with reporting_after_writing(f"{result.series_dir.name} is applied to {result.root}"):
-        print_litter(result.litter_removed)
-        if result.already_applied:
-            say(f"already applied: {result.series_dir.name} on {result.root}; nothing changed")
-            return 0
-        say(f"applied {result.series_dir.name} to {result.root} (vLLM {result.vllm_version})")
-        for path in result.changed:
-            say(f"  patched  {path}")
-    return 0
-
-
-def run_revert(args: argparse.Namespace) -> int:
-    raise_on_sigterm()  # before and after the transaction too, SIGTERM reports like Ctrl-C
-    result = revert_series(args.target)
-    with reporting_after_writing(f"{result.series} is reverted on {result.root}"):
-        print_litter(result.litter_removed)
-        say(f"reverted {result.series} on {result.root}")
-        for path in result.restored:
-            say(f"  restored {path}")
-        for path in result.removed:
-            say(f"  removed  {path}")
-    return 0
-
-
-@contextlib.contextmanager
-def reporting_after_writing(done: str) -> Iterator[None]:
-    """A finished apply or revert reports what it wrote. Ctrl-C meanwhile, or standard output
-    that cannot be written (a full disk, a closed pipe), is said as such: the work is done."""
-    try:
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-    except KeyboardInterrupt:
-        raise Interrupted(
-            f"interrupted while reporting, after the writes finished: {done}"
-        ) from None
-    except OSError as error:
-        discard_standard_output()
-        raise ReportFailed(
-            f"{done}, but its report could not be written to standard output:"
-            f" {error.strerror or error}"
-        ) from None
-
-
-def discard_standard_output() -> None:
-    """Point standard output at /dev/null, so that what is still buffered cannot fail again
-    when Python exits."""
-    with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
-        descriptor = sys.stdout.fileno()
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, descriptor)
-        os.close(null)
-
-
-def run_status(args: argparse.Namespace) -> int:
-    state = series_state(args.target)
-    print(format_status(state))
-    return state.exit_code
-
-
-def run_doctor(args: argparse.Namespace) -> int:
-    from vllm_minimax import doctor
-
-    return int(doctor.main(args))
-
-
-def run_config_list(args: argparse.Namespace) -> int:
-    from vllm_minimax.serve_config import shipped_config_groups, stated_checkpoint
-
-    serving, eval_suite = shipped_config_groups()
-    width = max((len(name) for name in serving), default=0)
-    checkpoints = {
-        name: stated_checkpoint(path) or "(no checkpoint sized)" for name, path in serving.items()
-    }
-    checkpoint_width = max((len(text) for text in checkpoints.values()), default=0)
-    print('serving configs: vllm serve CHECKPOINT --config "$(vllm-minimax config path NAME)"')
-    for name, path in serving.items():
-        print(f"  {name:<{width}}  {checkpoints[name]:<{checkpoint_width}}  {path}")
-    print(
-        "the eval suite's server configs (tiny models, one rank with dummy weights; not for"
-        " serving MiniMax M3: evals/README.md)"
-    )
-    eval_width = max((len(name) for name in eval_suite), default=0)
-    for name, path in eval_suite.items():
-        print(f"  {name:<{eval_width}}  {path}")
-    return 0
-
-
-def run_config_path(args: argparse.Namespace) -> int:
-    from vllm_minimax.serve_config import ServeConfigError, resolve_config
-
-    try:
-        path = resolve_config(args.name)
-    except ServeConfigError as error:
-        raise PatchError(str(error)) from None
-    print(path.resolve())
-    return 0
-
-
-def run_dev_checkout(args: argparse.Namespace) -> int:
-    from vllm_minimax import devtree
-
-    raise_on_sigterm()  # so that a killed checkout removes what it made
-    checkout = devtree.checkout(args.version, args.directory, with_series=not args.pristine)
-    print(
-        f"checked out vLLM {checkout.version} in {checkout.directory}: pristine tree tagged"
-        f" {checkout.pristine_tag}, {len(checkout.patch_commits)} patch commit(s) on top"
-    )
-    return 0
-
-
-def run_dev_export(args: argparse.Namespace) -> int:
-    from vllm_minimax import devtree
-
-    exported = devtree.export(args.directory)
-    print(f"wrote {len(exported.patch_files)} patch(es) and series to {exported.series_dir}")
-    for path in exported.patch_files:
-        print(f"  {path.name}")
-    return 0
-
-
-def tiny_model_config_layouts() -> tuple[str, ...]:
-    from vllm_minimax.tiny_model import CONFIG_LAYOUTS
-
-    return CONFIG_LAYOUTS
-
-
-def tiny_model_geometries() -> tuple[str, ...]:
-    from vllm_minimax.tiny_model import GEOMETRIES
-
-    return GEOMETRIES
 
 
 def run_make_rank_model(args: argparse.Namespace) -> int:
@@ -874,6 +793,149 @@ def give_files_the_umask_mode(root: Path) -> None:
     for path in root.rglob("*"):
         if path.is_file() and not path.is_symlink():
             os.chmod(path, 0o666 & ~umask)
+
+
+# --- warmup ----------------------------------------------------------------------------------
+
+
+def add_warmup_parser(commands: Any) -> None:
+    """``warmup``: a serving config's compile caches (FlashInfer's, or all with --engine)."""
+    warmup_parser = commands.add_parser(
+        "warmup",
+        help="prebuild FlashInfer's JIT cache for a serving config (on the serving GPU, or"
+        " with --prebuild on any machine with the CUDA compiler); with --engine, fill every"
+        " compile cache by starting the engine once",
+    )
+    warmup_parser.add_argument(
+        "--config",
+        type=config_name_option,
+        required=True,
+        action="append",
+        metavar="YAML_OR_NAME",
+        help="a vllm serve config file, or a shipped config's name (e.g. h200-8x); with"
+        " --prebuild, repeat it for several",
+    )
+    warmup_parser.add_argument(
+        "--model",
+        default="MiniMaxAI/MiniMax-M3-MXFP8",
+        help="the model served (name or local path; default: MiniMaxAI/MiniMax-M3-MXFP8,"
+        " the checkpoint the SM90 configs are for)",
+    )
+    warmup_parser.add_argument(
+        "--cache-dir",
+        type=path_argument,
+        metavar="DIR",
+        help="FLASHINFER_WORKSPACE_BASE to build into (default: $FLASHINFER_WORKSPACE_BASE,"
+        " else the home directory); the cache lands in DIR/.cache/flashinfer",
+    )
+    add_prebuild_options(warmup_parser)
+    engine = warmup_parser.add_argument_group(
+        "--engine",
+        "on the serving machine: start the configured engine briefly, so that every compile"
+        " cache a start fills (FlashInfer's, Humming's, Triton's, vLLM's) is filled once"
+        " (docs/compile-caches.md)",
+    )
+    engine.add_argument(
+        "--engine",
+        action="store_true",
+        help="start vllm serve with the config until it is ready, send a few requests, stop it",
+    )
+    from vllm_minimax import warm_engine
+
+    warm_engine.add_arguments(engine)
+    warmup_parser.set_defaults(handler=run_warmup)
+
+
+def add_prebuild_options(warmup_parser: argparse.ArgumentParser) -> None:
+    """``warmup --prebuild`` and the options that go with it."""
+    prebuild = warmup_parser.add_argument_group(
+        "--prebuild",
+        "build without a GPU: FlashInfer picks each program as on the --gpu given, the CUDA"
+        " compiler builds it (docs/warm-start.md)",
+    )
+    prebuild.add_argument(
+        "--prebuild",
+        action="store_true",
+        help="build on this machine's CPU with the CUDA compiler, for SM90 (no GPU needed)",
+    )
+    prebuild.add_argument(
+        "--gpu",
+        action="append",
+        choices=sorted(GPU_TARGET_NAMES),
+        help="the SM90 GPU the server runs on (its SM count and vLLM's defaults for its"
+        " memory decide the programs); repeat for several; default: h100 and h200",
+    )
+    prebuild.add_argument(
+        "--kv-cache-dtype",
+        action="append",
+        default=None,
+        help="as vllm serve's --kv-cache-dtype, over the config's (fp8: also the sparse"
+        " attention's programs); repeat it for each dtype the server may run with",
+    )
+    prebuild.add_argument(
+        "--jobs",
+        type=bounded_int(1, 256),
+        default=None,
+        help="nvcc programs built at once (default: half the CPUs)",
+    )
+    prebuild.add_argument(
+        "--only",
+        metavar="GLOB",
+        action="append",
+        default=None,
+        help="build only the programs whose names match GLOB (repeatable; the rest are listed)",
+    )
+    prebuild.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the programs FlashInfer would build; build nothing",
+    )
+
+
+def run_warmup(args: argparse.Namespace) -> int:
+    if args.engine:
+        if (
+            args.prebuild
+            or args.gpu
+            or args.kv_cache_dtype
+            or args.jobs
+            or args.only
+            or args.dry_run
+        ):
+            print(
+                "vllm-minimax warmup: error: --engine starts the engine on this machine's GPUs;"
+                " --prebuild and its options build without one",
+                file=sys.stderr,
+            )
+            return 2
+        if len(args.config) > 1:
+            print("vllm-minimax warmup: error: one --config with --engine", file=sys.stderr)
+            return 2
+        from vllm_minimax import warm_engine
+
+        args.config = args.config[0]
+        return warm_engine.run(args)
+    if args.prebuild:
+        from vllm_minimax import prebuild
+
+        return prebuild.main(args)
+    if args.gpu or args.kv_cache_dtype or args.jobs or args.only or args.dry_run:
+        print(
+            "vllm-minimax warmup: error: --gpu, --kv-cache-dtype, --jobs, --only and --dry-run"
+            " go with --prebuild",
+            file=sys.stderr,
+        )
+        return 2
+    if len(args.config) > 1:
+        print(
+            "vllm-minimax warmup: error: one --config on the GPU (several go with --prebuild)",
+            file=sys.stderr,
+        )
+        return 2
+    from vllm_minimax import warmup
+
+    args.config = args.config[0]
+    return warmup.main(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,10 @@
 """Fixtures for the patchset, devtree and cli tests: scratch copies of the installed vLLM and
-synthetic patch series. Helpers live in patchset_helpers.py."""
+synthetic patch series, and a TP-8 rank's model directory. Helpers live in
+patchset_helpers.py."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 from collections.abc import Callable, Iterator
@@ -22,6 +24,7 @@ from patchset_helpers import (
 
 from vllm_minimax import doctor_cache
 from vllm_minimax.patchset import STATE_FILE
+from vllm_minimax.tiny_model import rank_text_config
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +33,16 @@ def doctor_answers_of_this_test(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     a doctor run outside the tests, in an environment the tests monkeypatch, is not one."""
     directory = tmp_path / "doctor-answers"
     monkeypatch.setattr(doctor_cache, "cache_dir", lambda: directory)
+
+
+@pytest.fixture
+def tp8_rank_model(tmp_path: Path) -> Path:
+    """A model directory holding only the config.json of one GPU's share of MiniMax M3 at TP 8
+    (vLLM 0.34.0's flat layout): what prebuild and doctor read a served model's geometry from."""
+    model = tmp_path / "tp8-rank"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(rank_text_config(8)))
+    return model
 
 
 @pytest.fixture(scope="session")

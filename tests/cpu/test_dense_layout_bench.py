@@ -226,3 +226,57 @@ def test_main_records_a_case_that_raises_writes_the_json_and_fails_at_the_end(
     assert table[-1] == "| 8 | fp8 | 1.0e-02 | 1.0e-02 | 1e-01 | yes |"
     assert any("prefill-8k-at-32k | error: RuntimeError" in line for line in table)
     assert (tmp_path / "table.md").read_text().splitlines()[-1] == table[-1]
+
+
+class _HalfWritingStep:
+    """A stand-in Step whose attend writes only the first half of the output's tokens: the
+    other half keeps whatever was there (zeros, as an earlier call's right answer would)."""
+
+    def __init__(self, case: bench.Case, seed: int, device: Any) -> None:
+        self.logical = None
+        self.out = {layout: torch.zeros(4, 2, 8) for layout in bench.LAYOUTS}
+        self.calls = 0
+
+    def attend(self, cache: Any, out: torch.Tensor) -> None:
+        self.calls += 1
+        out[:2] = 0.0
+
+
+@pytest.mark.parametrize("capture_fails", [False, True])
+def test_run_case_fails_a_row_whose_timed_calls_left_output_unwritten(
+    monkeypatch: pytest.MonkeyPatch, capture_fails: bool
+) -> None:
+    """The outputs are poisoned before the timed calls (graph replays, or eager calls where
+    capture fails), so a kernel that skips part of its output fails the row even where the
+    stale values would have matched."""
+
+    class Graph:
+        def __init__(self, fn: Any) -> None:
+            self.replay = fn
+
+    def capture(fn: Any) -> Graph:
+        if capture_fails:
+            raise RuntimeError("capture refused")
+        fn()
+        return Graph(fn)
+
+    timed: list[Any] = []
+
+    def per_call_ms(fn: Any, iters: int) -> float:
+        timed.append(fn)
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(bench, "Step", _HalfWritingStep)
+    monkeypatch.setattr(bench, "LayerCache", lambda layout, logical, kv_dtype: layout)
+    monkeypatch.setattr(bench.timing, "capture_graph", capture)
+    monkeypatch.setattr(bench.timing, "per_call_ms", per_call_ms)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    case = bench.Case(8, "bf16", bench.WORKLOADS[0])
+    row = bench.run_case(case, seed=0, rounds=3, iters=5, device="cpu")
+    assert len(timed) == 3 * len(bench.LAYOUTS)
+    assert row["timing"] == ("eager" if capture_fails else "graph")
+    assert row["unwritten"] == dict.fromkeys(bench.LAYOUTS, 2 * 2 * 8)
+    assert row["samples_ms"] == {layout: [1.0, 1.0, 1.0] for layout in bench.LAYOUTS}
+    assert row["ok"] is False

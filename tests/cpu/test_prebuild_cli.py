@@ -12,7 +12,7 @@ import pytest
 
 from vllm_minimax import prebuild
 from vllm_minimax.cli import main
-from vllm_minimax.tiny_model import M3_TEXT_CONFIG, rank_text_config
+from vllm_minimax.tiny_model import M3_TEXT_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "serve" / "h200-8x.yaml"
@@ -87,11 +87,9 @@ def test_engine_settings_refuse_what_they_cannot_read_exactly(tmp_path):
     assert "enforce-eager" in str(prebuild.read_engine_settings(config).warmup_off)
 
 
-def test_model_geometry_from_either_config_layout(tmp_path):
+def test_model_geometry_from_either_config_layout(tmp_path, tp8_rank_model):
     """vLLM 0.34.0's flat config and 0.33.0's published one (``sparse_attention_config``)."""
-    flat = tmp_path / "flat"
-    flat.mkdir()
-    (flat / "config.json").write_text(json.dumps(rank_text_config(8)))
+    flat = tp8_rank_model
     published = tmp_path / "published"
     published.mkdir()
     sparse = {

@@ -114,3 +114,49 @@ def test_the_two_oracles_reject_the_same_wrong_selections():
         )
         vector_problems = reference.vector_invariants(broken, extents, fb=1, fe=1)
         assert loop_problems and vector_problems, (name, loop_problems, vector_problems)
+
+
+@pytest.mark.parametrize(("kv_heads", "group"), [(1, 8), (2, 4)])
+def test_selected_block_attention_is_masked_attention_over_the_selected_keys(kv_heads, group):
+    """The float32 core both sparse-attend references use (`sparse_attention_cases.
+    reference_attention` over a batch, the CPU tests' recorded FlashInfer op over its
+    arguments), against torch's scaled_dot_product_attention with the mask built key by key:
+    a key counts when its block is selected and it is at or before the token's position.
+    Fresh random inputs each run."""
+    import os
+
+    import torch.nn.functional as F
+
+    from vllm_minimax.testing.sparse_attention_cases import PAGE, selected_block_attention
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    t, d, blocks_in_seq = 5, 16, 40
+    positions = torch.randint(PAGE, blocks_in_seq * PAGE, (t,), generator=g)
+    blocks = torch.full((t, kv_heads, TOPK), -1, dtype=torch.long)
+    for i in range(t):
+        extent = int(positions[i]) // PAGE + 1
+        for h in range(kv_heads):
+            n = int(torch.randint(1, min(TOPK, extent) + 1, (), generator=g))
+            chosen = torch.randperm(extent, generator=g)[:n]
+            chosen[0] = extent - 1  # the token's own block, so no row is empty
+            blocks[i, h, :n] = chosen
+    q = torch.randn(t, kv_heads, group, d, generator=g)
+    keys = torch.randn(t, kv_heads, TOPK * PAGE, d, generator=g)
+    values = torch.randn(t, kv_heads, TOPK * PAGE, d, generator=g)
+    scale = 0.3
+    got = selected_block_attention(q, keys, values, blocks, positions, scale)
+
+    mask = torch.zeros(t, kv_heads, TOPK * PAGE, dtype=torch.bool)
+    for i in range(t):
+        for h in range(kv_heads):
+            for slot in range(TOPK):
+                block = int(blocks[i, h, slot])
+                if block < 0:
+                    continue
+                key = block * PAGE + torch.arange(PAGE)
+                mask[i, h, slot * PAGE : (slot + 1) * PAGE] = key <= positions[i]
+    want = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask[:, :, None, :], scale=scale
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"seed {seed}")

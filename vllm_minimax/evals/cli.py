@@ -34,6 +34,77 @@ AB_DEFAULT_ACCURACY = ["gsm8k", "ruler-32k"]
 AB_DEFAULT_THROUGHPUT = "indexer"
 
 
+# --- options several eval commands take ---------------------------------------------
+
+
+def out_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--out",
+        type=path_argument,
+        required=True,
+        metavar="DIR",
+        help="directory for the results",
+    )
+
+
+def server_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    parser.add_argument(
+        "--model", required=True, help="the model name the server serves (its --model)"
+    )
+
+
+def preset_option(parser: argparse.ArgumentParser, kind: str) -> None:
+    parser.add_argument(
+        "--preset",
+        required=True,
+        help=f"{kind} preset, one of: {', '.join(presets.available(kind)) or 'none'}"
+        " (evals/README.md says which fits which server), or a .yaml path",
+    )
+
+
+def accuracy_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--limit", type=int, metavar="N", help="at most N samples per task (for a quick try)"
+    )
+    parser.add_argument(
+        "--z",
+        type=float,
+        default=DEFAULT_Z,
+        help=f"pass bound in standard errors of the difference (default: {DEFAULT_Z})",
+    )
+
+
+def client_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--client",
+        choices=throughput.CLIENTS,
+        default="vllm-bench",
+        help="who sends the load of a one-shape scenario: vLLM's `vllm bench serve`, run"
+        " in this process (needs vLLM here), or this project's client; scenarios that mix"
+        " shapes always use this project's (default: vllm-bench)",
+    )
+
+
+def timeout_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=DEFAULT_FIRST_BYTE_TIMEOUT_S,
+        metavar="S",
+        help="throughput: seconds a request may wait for the server's response headers"
+        f" (default: {DEFAULT_FIRST_BYTE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        metavar="S",
+        help="seconds one whole request may take (throughput; accuracy passes it to lm-eval"
+        f" as `timeout`) (default: {DEFAULT_REQUEST_TIMEOUT_S:g})",
+    )
+
+
 def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     """``eval accuracy|throughput|ab``; the work is in :mod:`vllm_minimax.evals`."""
     eval_parser = commands.add_parser(
@@ -44,75 +115,17 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     eval_commands = eval_parser.add_subparsers(
         dest="eval_command", required=True, metavar="COMMAND"
     )
+    add_accuracy_parser(eval_commands)
+    add_throughput_parser(eval_commands)
+    add_ab_parser(eval_commands)
 
-    def out_option(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--out",
-            type=path_argument,
-            required=True,
-            metavar="DIR",
-            help="directory for the results",
-        )
 
-    def client(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000"
-        )
-        parser.add_argument(
-            "--model", required=True, help="the model name the server serves (its --model)"
-        )
-
-    def preset_option(parser: argparse.ArgumentParser, kind: str) -> None:
-        parser.add_argument(
-            "--preset",
-            required=True,
-            help=f"{kind} preset, one of: {', '.join(presets.available(kind)) or 'none'}"
-            " (evals/README.md says which fits which server), or a .yaml path",
-        )
-
-    def accuracy_options(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--limit", type=int, metavar="N", help="at most N samples per task (for a quick try)"
-        )
-        parser.add_argument(
-            "--z",
-            type=float,
-            default=DEFAULT_Z,
-            help=f"pass bound in standard errors of the difference (default: {DEFAULT_Z})",
-        )
-
-    def client_option(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--client",
-            choices=throughput.CLIENTS,
-            default="vllm-bench",
-            help="who sends the load of a one-shape scenario: vLLM's `vllm bench serve`, run"
-            " in this process (needs vLLM here), or this project's client; scenarios that mix"
-            " shapes always use this project's (default: vllm-bench)",
-        )
-
-    def timeout_options(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--first-byte-timeout",
-            type=float,
-            default=DEFAULT_FIRST_BYTE_TIMEOUT_S,
-            metavar="S",
-            help="throughput: seconds a request may wait for the server's response headers"
-            f" (default: {DEFAULT_FIRST_BYTE_TIMEOUT_S:g})",
-        )
-        parser.add_argument(
-            "--request-timeout",
-            type=float,
-            default=DEFAULT_REQUEST_TIMEOUT_S,
-            metavar="S",
-            help="seconds one whole request may take (throughput; accuracy passes it to lm-eval"
-            f" as `timeout`) (default: {DEFAULT_REQUEST_TIMEOUT_S:g})",
-        )
-
+def add_accuracy_parser(eval_commands: argparse._SubParsersAction) -> None:
+    """``eval accuracy``."""
     accuracy_parser = eval_commands.add_parser(
         "accuracy", help="run lm-eval tasks against a server and compare with a baseline"
     )
-    client(accuracy_parser)
+    server_options(accuracy_parser)
     out_option(accuracy_parser)
     accuracy_parser.add_argument(
         "--tokenizer",
@@ -134,10 +147,13 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     )
     accuracy_parser.set_defaults(handler=run_eval_accuracy)
 
+
+def add_throughput_parser(eval_commands: argparse._SubParsersAction) -> None:
+    """``eval throughput``."""
     throughput_parser = eval_commands.add_parser(
         "throughput", help="streaming load at a sweep of concurrencies: tok/s, TTFT, TPOT, ITL"
     )
-    client(throughput_parser)
+    server_options(throughput_parser)
     out_option(throughput_parser)
     throughput_parser.add_argument(
         "--tokenizer",
@@ -157,6 +173,9 @@ def add_eval_parsers(commands: argparse._SubParsersAction) -> None:
     timeout_options(throughput_parser)
     throughput_parser.set_defaults(handler=run_eval_throughput)
 
+
+def add_ab_parser(eval_commands: argparse._SubParsersAction) -> None:
+    """``eval ab``."""
     ab_parser = eval_commands.add_parser(
         "ab", help="start one server per arm (default: triton, flashinfer indexer) and compare"
     )

@@ -359,6 +359,69 @@ def missing_levels(results: dict[str, Any], first_round: int = 0) -> list[str]:
     return missing
 
 
+def initial_results(
+    preset: ThroughputPreset, base_url: str, model: str, repeat: int, clients: list[str]
+) -> dict[str, Any]:
+    """The results file before its first level: the preset, the server and, per scenario,
+    its client, shapes and sweep, with no levels yet."""
+    return {
+        "preset": preset.name,
+        "preset_file": str(preset.path),
+        "base_url": base_url,
+        "model": model,
+        "repeat": repeat,
+        "complete": False,
+        "scenarios": [
+            {
+                "name": scenario.name,
+                "client": scenario_client_name,
+                "shapes": [asdict(shape) for shape in scenario.shapes],
+                "num_requests": scenario.num_requests,
+                "concurrency": list(scenario.concurrency),
+                "warmup_requests": len(scenario.shapes),
+                "levels": [],
+            }
+            for scenario, scenario_client_name in zip(preset.scenarios, clients, strict=True)
+        ],
+    }
+
+
+def bench_level(
+    scenario: ThroughputScenario,
+    concurrency: int,
+    seed: int,
+    served: tuple[str, str, str],
+    result_file: Path,
+    timeouts: RequestTimeouts,
+) -> dict[str, Any]:
+    """One level of a one-shape scenario through `vllm bench serve` (``served``: the base
+    URL, the model and the tokenizer), its JSON kept at ``result_file``."""
+    base_url, model, tokenizer = served
+    [shape] = scenario.shapes
+    arguments = bench.bench_arguments(
+        base_url, model, tokenizer, shape.input_tokens, shape.output_tokens,
+        concurrency, scenario.num_requests, seed, result_file,
+    )  # fmt: skip
+    deadline = bench.level_deadline(timeouts.total_s, scenario.num_requests, concurrency)
+    data = bench.run_bench_level(arguments, result_file, result_file.with_suffix(".log"), deadline)
+    return {
+        **bench.level_from_bench(data),
+        "prompt_seed": seed,
+        "bench_command": bench.bench_command(arguments),
+        "bench_result": str(result_file),
+    }
+
+
+def level_line(label: str, metrics: dict[str, Any], client: str) -> str:
+    """The progress line of a finished level."""
+    return (
+        f"{label}: {metrics['output_tokens_per_s']:.1f} output tok/s,"
+        f" TTFT p50 {metrics['ttft_ms']['p50']:.0f} ms,"
+        f" TPOT p50 {metrics['tpot_ms'].get('p50', float('nan')):.1f} ms"
+        f" ({metrics['completed']} requests in {metrics['duration_s']:.1f} s, {client})"
+    )
+
+
 def run_throughput(
     preset: ThroughputPreset,
     base_url: str,
@@ -389,26 +452,7 @@ def run_throughput(
         bench.require_bench()
     check_fits(preset, check_server(base_url, model), base_url)
     bench_dir = out_path.parent / "bench"
-    results: dict[str, Any] = {
-        "preset": preset.name,
-        "preset_file": str(preset.path),
-        "base_url": base_url,
-        "model": model,
-        "repeat": repeat,
-        "complete": False,
-        "scenarios": [
-            {
-                "name": scenario.name,
-                "client": scenario_client_name,
-                "shapes": [asdict(shape) for shape in scenario.shapes],
-                "num_requests": scenario.num_requests,
-                "concurrency": list(scenario.concurrency),
-                "warmup_requests": len(scenario.shapes),
-                "levels": [],
-            }
-            for scenario, scenario_client_name in zip(preset.scenarios, clients, strict=True)
-        ],
-    }
+    results = initial_results(preset, base_url, model, repeat, clients)
     write_json(out_path, results)
 
     def stopped(key: str, text: str) -> None:
@@ -453,22 +497,9 @@ def run_throughput(
             prompts = scenario_prompts(scenario, vocabulary, seed)
             timings, duration = send(prompts, concurrency, label)
             return {**level_metrics(timings, duration), "prompt_seed": seed}
-        [shape] = scenario.shapes
         result_file = bench_dir / f"{scenario.name}-c{concurrency}-round{round_number + 1}.json"
-        arguments = bench.bench_arguments(
-            base_url, model, tokenizer or model, shape.input_tokens, shape.output_tokens,
-            concurrency, scenario.num_requests, seed, result_file,
-        )  # fmt: skip
-        deadline = bench.level_deadline(timeouts.total_s, scenario.num_requests, concurrency)
-        data = bench.run_bench_level(
-            arguments, result_file, result_file.with_suffix(".log"), deadline
-        )
-        return {
-            **bench.level_from_bench(data),
-            "prompt_seed": seed,
-            "bench_command": bench.bench_command(arguments),
-            "bench_result": str(result_file),
-        }
+        served = (base_url, model, tokenizer or model)
+        return bench_level(scenario, concurrency, seed, served, result_file, timeouts)
 
     label = "throughput"
     try:
@@ -477,15 +508,8 @@ def run_throughput(
             for scenario, record in zip(preset.scenarios, results["scenarios"], strict=True):
                 if offset == 0:
                     label = f"throughput {scenario.name} warm-up"
-                    if scenario.prefix_cached:
-                        for level_index, concurrency in enumerate(scenario.concurrency):
-                            seed = level_seed(
-                                preset.seed, scenario.name, level_index, concurrency, 0
-                            )
-                            send(scenario_prompts(scenario, vocabulary, seed), concurrency, label)
-                    else:
-                        warmup = warmup_prompts(scenario, vocabulary, preset.seed)
-                        send(warmup, len(warmup), label)
+                    for prompts, concurrency in warmup_sends(scenario, vocabulary, preset.seed):
+                        send(prompts, concurrency, label)
                 for level_index, concurrency in enumerate(scenario.concurrency):
                     label = f"throughput {scenario.name} concurrency {concurrency}"
                     if repeat > 1 or round_number:
@@ -497,13 +521,7 @@ def run_throughput(
                         {"concurrency": concurrency, "round": round_number, **metrics}
                     )
                     write_json(out_path, results)
-                    progress(
-                        f"{label}: {metrics['output_tokens_per_s']:.1f} output tok/s,"
-                        f" TTFT p50 {metrics['ttft_ms']['p50']:.0f} ms,"
-                        f" TPOT p50 {metrics['tpot_ms'].get('p50', float('nan')):.1f} ms"
-                        f" ({metrics['completed']} requests in {metrics['duration_s']:.1f} s,"
-                        f" {record['client']})"
-                    )
+                    progress(level_line(label, metrics, record["client"]))
                     if on_level_done is not None:
                         on_level_done()
     except (RequestFailed, bench.BenchFailed) as error:
@@ -518,6 +536,21 @@ def run_throughput(
     results["complete"] = True
     write_json(out_path, results)
     return results
+
+
+def warmup_sends(
+    scenario: ThroughputScenario, vocabulary: Vocabulary, seed: int
+) -> list[tuple[list[tuple[list[int], RequestShape]], int]]:
+    """What a scenario's warm-up sends, as (prompts, concurrency) pairs: a prefix-cached
+    scenario sends each level's own prompts at the level's concurrency (the measured levels
+    then find them cached); any other, one request per shape at once (`warmup_prompts`)."""
+    if scenario.prefix_cached:
+        return [
+            (scenario_prompts(scenario, vocabulary, level_seed(seed, scenario.name, i, c, 0)), c)
+            for i, c in enumerate(scenario.concurrency)
+        ]
+    warmup = warmup_prompts(scenario, vocabulary, seed)
+    return [(warmup, len(warmup))]
 
 
 def warmup_prompts(

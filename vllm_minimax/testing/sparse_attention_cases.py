@@ -141,6 +141,33 @@ def select_blocks(positions: torch.Tensor, heads: int, gen: torch.Generator) -> 
     return out
 
 
+def selected_block_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    blocks: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """float32 attention of each token over the keys of the blocks selected for it.
+
+    ``q`` is ``(t, kv_heads, group, D)``; ``keys`` and ``values`` are ``(t, kv_heads, 16 *
+    PAGE, D)``, the rows of each token's selected blocks in selection order; ``blocks`` is
+    ``(t, kv_heads, 16)`` block ids (``-1``: none); ``positions`` ``(t,)``. A key counts when
+    its block is selected and its position (``block * PAGE + offset``) is at most the token's
+    (so never past the token's sequence). Returns ``(t, kv_heads, group, D)``. Checked against
+    torch's scaled_dot_product_attention in tests/cpu/test_reference_oracles.py; both
+    references of the sparse attend call it."""
+    t, kv_heads, _ = blocks.shape
+    offsets = torch.arange(PAGE, device=blocks.device)
+    key_pos = (blocks[..., None] * PAGE + offsets).reshape(t, kv_heads, TOPK * PAGE)
+    valid = (blocks[..., None] >= 0).expand(t, kv_heads, TOPK, PAGE).reshape(key_pos.shape)
+    valid &= key_pos <= positions[:, None, None]
+    logits = torch.einsum("thgd,thkd->thgk", q, keys) * scale
+    logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
+    return torch.einsum("thgk,thkd->thgd", torch.softmax(logits, dim=-1), values)
+
+
 def reference_attention(
     batch: SparseBatch, *, scale: float, topk: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -153,7 +180,6 @@ def reference_attention(
     cache = batch.kv_fp8.view(torch.float8_e4m3fn)
     out = torch.empty(batch.num_tokens, hq, HEAD_DIM, dtype=torch.float32, device=sel.device)
     q_all = batch.query.view(-1, hq, HEAD_DIM).float()
-    offs = torch.arange(PAGE, device=sel.device)
     heads = torch.arange(hkv, device=sel.device)
     step = 64
     for lo in range(0, batch.num_tokens, step):
@@ -165,14 +191,9 @@ def reference_attention(
         rows = rows.float().view(t, hkv, TOPK * PAGE, 2 * HEAD_DIM)
         k = rows[..., :HEAD_DIM] * shape.k_scale
         v = rows[..., HEAD_DIM:] * shape.v_scale
-        key_pos = (s[..., None] * PAGE + offs).view(t, hkv, TOPK * PAGE)
-        valid = (s[..., None] >= 0).expand(t, hkv, TOPK, PAGE).reshape(t, hkv, TOPK * PAGE)
-        valid &= key_pos <= batch.positions[lo : lo + step, None, None]
         q = q_all[lo : lo + step].view(t, hkv, group, HEAD_DIM)
-        logits = torch.einsum("thgd,thkd->thgk", q, k) * scale
-        logits = logits.masked_fill(~valid[:, :, None, :], float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        out[lo : lo + step] = torch.einsum("thgk,thkd->thgd", probs, v).reshape(t, hq, HEAD_DIM)
+        attended = selected_block_attention(q, k, v, s, batch.positions[lo : lo + step], scale)
+        out[lo : lo + step] = attended.reshape(t, hq, HEAD_DIM)
     return out.view(batch.num_tokens, hq * HEAD_DIM)
 
 

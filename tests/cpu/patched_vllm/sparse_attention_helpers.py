@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from vllm_minimax.testing.sparse_attention_cases import selected_block_attention
+
 PAGE = 128
 HEAD_DIM = 128
 TOPK = 16
@@ -210,7 +212,6 @@ def msa_reference(call: MsaCall) -> torch.Tensor:
     group = q_heads // kv_heads
     width = call.page_table.shape[1]
     out = torch.empty(tokens, q_heads, HEAD_DIM)
-    offsets = torch.arange(PAGE)
     start = 0
     for request, length in enumerate(call.query_lens):
         used = int(call.seqused_k[request])
@@ -221,17 +222,18 @@ def msa_reference(call: MsaCall) -> torch.Tensor:
             assert int(sel.max()) < width, f"a selected block past the page table's {width} columns"
             pages = call.page_table[request][sel.clamp(min=0)].long()  # (L, 16)
             assert int(pages.max()) < call.k.shape[0]
-            keys = call.k[pages, head].float().reshape(length, TOPK * PAGE, HEAD_DIM)
-            values = call.v[pages, head].float().reshape(length, TOPK * PAGE, HEAD_DIM)
-            key_pos = (sel[..., None] * PAGE + offsets).reshape(length, TOPK * PAGE)
-            valid = (sel[..., None] >= 0).expand(length, TOPK, PAGE).reshape(length, -1)
-            valid &= (key_pos <= positions[:, None]) & (key_pos < used)
+            keys = call.k[pages, head].float().reshape(length, 1, TOPK * PAGE, HEAD_DIM)
+            values = call.v[pages, head].float().reshape(length, 1, TOPK * PAGE, HEAD_DIM)
             heads = slice(head * group, (head + 1) * group)
-            logits = torch.einsum("lgd,lkd->lgk", q[start : start + length, heads], keys)
-            logits = logits * call.softmax_scale
-            logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            out[start : start + length, heads] = torch.einsum("lgk,lkd->lgd", probs, values)
+            attended = selected_block_attention(
+                q[start : start + length, None, heads],
+                keys,
+                values,
+                sel[:, None],
+                positions,
+                call.softmax_scale,
+            )
+            out[start : start + length, heads] = attended[:, 0]
         start += length
     assert start == tokens, (start, tokens)
     if call.v_global_scale is not None:

@@ -33,7 +33,6 @@ from vllm.models.minimax_m3.nvidia import indexer_flashinfer_warmup as iw
 from vllm.models.minimax_m3.nvidia import sparse_attention_flashinfer as sa
 
 from vllm_minimax import flashinfer_offline, prebuild
-from vllm_minimax.tiny_model import rank_text_config
 
 REPO = Path(__file__).resolve().parents[3]
 H200 = prebuild.GPU_TARGETS["h200"]
@@ -228,15 +227,12 @@ def test_an_fp8_kv_cache_adds_the_sparse_attention():
     )
 
 
-def test_unset_batch_bounds_take_vllms_defaults_for_the_gpu(tmp_path):
+def test_unset_batch_bounds_take_vllms_defaults_for_the_gpu(tp8_rank_model):
     """The rank slice's config sets neither bound: vLLM's defaults for an H100 or H200
     (`vllm serve`: 8192 tokens, 1024 sequences), read from vLLM on a simulated GPU of that
     memory, and the rank's heads from its config.json."""
-    model = tmp_path / "rank"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(rank_text_config(8)))
     settings = prebuild.read_engine_settings(REPO / "evals/h200-m3-tp8-rank-serve.yaml")
-    geometry_of_model = prebuild.read_model_geometry(str(model))
+    geometry_of_model = prebuild.read_model_geometry(str(tp8_rank_model))
     for gpu in (prebuild.GPU_TARGETS["h100"], H200):
         shape = prebuild.engine_shape(settings, geometry_of_model, gpu)
         assert (shape.max_num_batched_tokens, shape.max_num_seqs) == (8192, 1024)
@@ -373,7 +369,9 @@ CUTE_KERNEL = "msa_proxy_score_decode_sm90_sm90a_cute_dsl/hq1_sq1_bf1_*"
 
 
 @pytest.mark.slow
-def test_prebuild_compiles_sm90a_programs_flashinfer_then_loads(tmp_path, patched_vllm_root):
+def test_prebuild_compiles_sm90a_programs_flashinfer_then_loads(
+    tmp_path, patched_vllm_root, tp8_rank_model
+):
     """One nvcc program and one CuTe-DSL kernel of a small TP-8-rank config, compiled on this
     host with the CUDA compiler from PyPI (nvidia-cuda-nvcc 13.x), into a fresh cache.
 
@@ -382,9 +380,7 @@ def test_prebuild_compiles_sm90a_programs_flashinfer_then_loads(tmp_path, patche
     from vllm_minimax.testing.pypi_cuda import make_cuda_home
 
     cuda_home = make_cuda_home(tmp_path / "cuda")
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(rank_text_config(8)))
+    model = tp8_rank_model
     config = tmp_path / "small.yaml"
     config.write_text(
         "max-model-len: 4096\nmax-num-seqs: 4\nmax-num-batched-tokens: 512\n"
