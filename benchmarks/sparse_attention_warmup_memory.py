@@ -5,13 +5,14 @@
 Run where vLLM 0.34.0 carries the series (the warm-up's own functions are imported
 from the patched ``sparse_attention_flashinfer`` module). Each case runs in a fresh
 process, since FlashInfer keeps its decode split scratch for the life of the process:
-it launches every warm-up launch of one geometry (``warmup_launches``, as the engine's
-JIT warm-up does), then records the GPU's free memory before and after (after
-``empty_cache``, so what is left is what the warm-up retains), the bytes of FlashInfer's
-retained decode scratch (``cake_hopper_sm90._decode_scratch``), the number of launches
-and the wall time. The cases are the shipped serving configs' settings at a TP-8 rank
-(8 query heads over 1 KV head) and vLLM 0.34.0's server defaults on an H100 or H200
-(1024 sequences, 8192 batched tokens), with and without MTP, for groups of 8 and 16.
+it launches every warm-up launch of one geometry (``warmup_launches``, on one set of
+``WarmupBuffers``, as the engine's warm-up does), then records the GPU's free memory
+before and after (after ``empty_cache``, so what is left is what the warm-up retains),
+the bytes of FlashInfer's retained decode scratch (``cake_hopper_sm90._decode_scratch``),
+the number of launches and the wall time. The cases are the shipped serving configs'
+settings at a TP-8 rank (8 query heads over 1 KV head) and vLLM 0.34.0's server defaults
+on an H100 or H200 (1024 sequences, 8192 batched tokens), with and without MTP, for
+groups of 8 and 16.
 """
 
 from __future__ import annotations
@@ -44,14 +45,14 @@ class WarmupCase:
         """The patched ``SparseAttentionWarmupGeometry`` of a TP rank with these settings."""
         from vllm.models.minimax_m3.nvidia import sparse_attention_flashinfer as sa
 
-        return sa.SparseAttentionWarmupGeometry(
+        return sa.sparse_attention_warmup_geometry(
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             scale=128**-0.5,
-            max_decode_query_len=1 + self.num_speculative_tokens,
-            max_num_decodes=self.max_num_seqs,
+            num_speculative_tokens=self.num_speculative_tokens,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            block_table_width=-(-self.max_model_len // 128),
+            max_model_len=self.max_model_len,
         )
 
 
@@ -79,10 +80,12 @@ def measure(case: WarmupCase) -> dict:
     geometry = case.geometry()
     launches = sa.warmup_launches(geometry)
     started = time.perf_counter()
+    buffers = sa.WarmupBuffers(geometry, launches, device)
     for launch in launches:
-        sa.run_warmup_launch(geometry, *launch, device)
+        sa.run_warmup_launch(geometry, *launch, buffers)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
+    del buffers
     torch.cuda.empty_cache()
     free_after, _ = torch.cuda.mem_get_info()
     scratch = cake_hopper_sm90._decode_scratch

@@ -24,7 +24,6 @@ CuTe-DSL stack before using them (patch 0004, ``check_prebuilt_programs``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fnmatch
 import inspect
 import json
@@ -461,24 +460,23 @@ def sparse_attention_geometry(
     if selection.impl != SPARSE_ATTENTION_FLASHINFER_IMPL:
         return None, selection.describe()
     sa = importlib.import_module(SPARSE_ATTENTION_MODULE)
-    block = model.sparse_block_size * settings.decode_context_parallel_size
-    values = {
-        "num_heads": num_heads,
-        "num_kv_heads": num_kv_heads,
-        "scale": model.head_dim**-0.5,
-        "max_decode_query_len": 1 + settings.num_speculative_tokens,
-        "max_num_decodes": shape.max_num_seqs,
-        "max_num_batched_tokens": shape.max_num_batched_tokens,
-        "block_table_width": -(-shape.max_model_len // block),
-    }
-    names = {f.name for f in dataclasses.fields(sa.SparseAttentionWarmupGeometry)}
-    if names != set(values):
+    derive = getattr(sa, "sparse_attention_warmup_geometry", None)
+    if derive is None:
         raise PrebuildError(
-            "the series' sparse-attention warm-up geometry has fields"
-            f" {sorted(names)}; this prebuild knows {sorted(values)}: update"
-            " vllm_minimax/prebuild.py with the series"
+            "the series' sparse attention has no sparse_attention_warmup_geometry: apply"
+            " this checkout's series (`vllm-minimax apply`)"
         )
-    return sa.SparseAttentionWarmupGeometry(**values), None
+    geometry = derive(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        scale=model.head_dim**-0.5,
+        num_speculative_tokens=settings.num_speculative_tokens,
+        max_num_seqs=shape.max_num_seqs,
+        max_num_batched_tokens=shape.max_num_batched_tokens,
+        max_model_len=shape.max_model_len,
+        decode_context_parallel_size=settings.decode_context_parallel_size,
+    )
+    return geometry, None
 
 
 # --- choosing and building the programs ---------------------------------------------------
@@ -614,8 +612,10 @@ def plan_programs(plan: Plan, builder: Builder) -> None:
                     iw._run_topk_select(program.call, geometry.num_index_heads, device=host)
         if plan.sparse_attention is not None:
             sa = importlib.import_module(SPARSE_ATTENTION_MODULE)
-            for launch in sa.warmup_launches(plan.sparse_attention):
-                sa.run_warmup_launch(plan.sparse_attention, *launch, host)
+            launches = sa.warmup_launches(plan.sparse_attention)
+            buffers = sa.WarmupBuffers(plan.sparse_attention, launches, host)
+            for launch in launches:
+                sa.run_warmup_launch(plan.sparse_attention, *launch, buffers)
     plan.nvcc = [builder.nvcc[name] for name in sink.names]
     plan.cute_dsl = list(sink.cute_names)
 
@@ -754,7 +754,10 @@ def _plans(
             label = str(config) + (f" --kv-cache-dtype {kv_cache_dtype}" if kv_cache_dtype else "")
             _say(label)
             if settings.warmup_off:
-                _say(f"  note: {settings.warmup_off}; the engine loads the programs at first use")
+                _say(
+                    f"  note: {settings.warmup_off}; the engine loads the indexer's programs at"
+                    " first use (the sparse attention's when the model is built)"
+                )
             for gpu in gpus:
                 shape = engine_shape(settings, model, gpu)
                 plan = Plan(gpu)
@@ -802,11 +805,27 @@ def run(args: argparse.Namespace) -> int:
     plans = _plans(configs, kv_cache_dtypes, model, gpus)
     if all(plan.indexer is None and plan.sparse_attention is None for plan in plans):
         raise PrebuildError("no engine of these configs runs a FlashInfer program on these GPUs")
-    if cuda_home is not None:
-        iw.check_prebuilt_programs()
-        _say(f"building with the CUDA toolkit at {cuda_home}")
     jobs = args.jobs or max(1, (os.cpu_count() or 2) // 2)
     builder = Builder(build=not args.dry_run, jobs=jobs, only=args.only, say=_say)
+    if cuda_home is None:
+        return _build(args, iw, jit_dir, builder, plans, location)
+    # Patch 0004's lock over the whole check, build and write: an engine checking or
+    # removing this cache meanwhile waits, and then sees the programs and manifest whole.
+    with iw.prebuild_lock():
+        iw.check_prebuilt_programs()
+        _say(f"building with the CUDA toolkit at {cuda_home}")
+        return _build(args, iw, jit_dir, builder, plans, location)
+
+
+def _build(
+    args: argparse.Namespace,
+    iw: Any,
+    jit_dir: Path,
+    builder: Builder,
+    plans: list[Plan],
+    location: warmup.CacheLocation,
+) -> int:
+    """Build ``plans``' programs, check them ready and write the manifest (not in a dry run)."""
     began = time.perf_counter()
     try:
         for plan in plans:

@@ -234,7 +234,28 @@ def _engine_config(indexer_kv_dtype: str) -> SimpleNamespace:
         attention_config=AttentionConfig(indexer_kv_dtype=indexer_kv_dtype),
         speculative_config=SimpleNamespace(num_speculative_tokens=2),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=2048),
+        kernel_config=SimpleNamespace(enable_jit_warmup=True),
     )
+
+
+def test_with_the_jit_warmup_off_the_prebuild_is_checked_and_nothing_registered(monkeypatch):
+    """`--enforce-eager` turns vLLM's JIT warm-up off: the indexer's programs then build at
+    first use, as in stock vLLM, but the engine may still load prebuilt ones, so the layer's
+    call checks the prebuild all the same."""
+    from vllm.models.minimax_m3.nvidia import indexer_flashinfer
+
+    checked, registered = [], []
+    monkeypatch.setattr(warmup, "check_prebuilt_programs_once", lambda: checked.append(1))
+    monkeypatch.setattr(warmup, "current_device_facts", lambda: ("sm90", H200_SMS))
+    monkeypatch.setattr(warmup._JIT, "register_warmup", lambda **fields: registered.append(fields))
+    impl = object.__new__(indexer_flashinfer.MiniMaxM3IndexerFlashInferImpl)
+    impl.num_index_heads, impl.indexer_kv_dtype = 1, "fp8"
+    eager = _engine_config("fp8")
+    eager.kernel_config.enable_jit_warmup = False
+    warmup.register_indexer_flashinfer_warmup(impl, eager)
+    assert checked == [1] and registered == []
+    warmup.register_indexer_flashinfer_warmup(impl, _engine_config("fp8"))
+    assert checked == [1, 1] and len(registered) == 1
 
 
 @pytest.mark.parametrize("spelling", ["fp8", "fp8_e4m3"])

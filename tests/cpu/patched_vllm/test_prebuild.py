@@ -23,9 +23,11 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 from flashinfer.jit.cake_hopper_msa import ROUTES
 from flashinfer.msa_ops import cake_hopper_sm90
 from test_indexer_flashinfer_warmup import _geometry, _Recorder
@@ -227,6 +229,78 @@ def test_an_fp8_kv_cache_adds_the_sparse_attention():
     )
 
 
+class _Layer:
+    def __init__(self, impl) -> None:
+        self.impl = impl
+
+
+def _registered_geometry(monkeypatch, settings, shape, model) -> sa.SparseAttentionWarmupGeometry:
+    """The geometry patch 0007's registration derives for a layer of this engine (its rank's
+    heads, the config's speculative tokens, batch bounds, context and DCP), reserved in
+    place of launched."""
+    from types import SimpleNamespace
+
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    from vllm_minimax.testing import sparse_attention_cases as cases
+
+    tp = settings.tensor_parallel_size
+    shape_of_rank = cases.StepShape(
+        num_heads=model.num_attention_heads // tp,
+        num_kv_heads=max(1, model.num_key_value_heads // tp),
+    )
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+        impl = cases.make_impl(
+            sa.MiniMaxM3SparseFlashInferImpl,
+            shape_of_rank,
+            scale=model.head_dim**-0.5,
+            kv_cache_dtype="fp8",
+        )
+    reserved = []
+    jit = sa._SparseAttentionJit()
+    monkeypatch.setattr(jit, "reserve", lambda geometry, device: reserved.append(geometry))
+    monkeypatch.setattr(sa, "_JIT", jit)
+    monkeypatch.setattr(iw, "check_prebuilt_programs_once", lambda: None)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    config = SimpleNamespace(
+        kernel_config=SimpleNamespace(enable_jit_warmup=True),
+        speculative_config=SimpleNamespace(num_speculative_tokens=settings.num_speculative_tokens),
+        model_config=SimpleNamespace(dtype=torch.bfloat16, max_model_len=shape.max_model_len),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=shape.max_num_batched_tokens
+        ),
+        parallel_config=SimpleNamespace(
+            decode_context_parallel_size=settings.decode_context_parallel_size
+        ),
+    )
+    sa.register_sparse_attention_warmup(_Layer(impl), config)
+    (geometry,) = reserved
+    return geometry
+
+
+@pytest.mark.parametrize(
+    ("mtp", "dcp", "max_model_len"), [(2, 1, None), (0, 1, 40000), (3, 2, 131072), (1, 4, 1000)]
+)
+def test_the_prebuild_plans_the_geometry_the_engine_registers(monkeypatch, mtp, dcp, max_model_len):
+    """One derivation of the sparse warm-up's geometry: what the prebuild plans for an
+    engine is what that engine's layers register, speculative tokens, context parallelism
+    and context length included. A change to the registration's formula that the prebuild
+    does not follow fails here."""
+    import dataclasses
+
+    settings = prebuild.read_engine_settings(REPO / "configs/serve/h200-8x.yaml", "fp8")
+    settings = dataclasses.replace(
+        settings,
+        num_speculative_tokens=mtp,
+        decode_context_parallel_size=dcp,
+        max_model_len=max_model_len or settings.max_model_len,
+    )
+    shape = prebuild.engine_shape(settings, _published(), H200)
+    planned, reason = prebuild.sparse_attention_geometry(settings, _published(), shape)
+    assert reason is None
+    assert planned == _registered_geometry(monkeypatch, settings, shape, _published())
+
+
 def test_unset_batch_bounds_take_vllms_defaults_for_the_gpu(tp8_rank_model):
     """The rank slice's config sets neither bound: vLLM's defaults for an H100 or H200
     (`vllm serve`: 8192 tokens, 1024 sequences), read from vLLM on a simulated GPU of that
@@ -336,17 +410,154 @@ def test_a_prebuild_of_another_cute_dsl_stack_is_left_to_flashinfer(cache, caplo
     assert "another CuTe-DSL stack" in caplog.text
 
 
-def test_a_manifest_cannot_remove_outside_the_jit_cache(cache, tmp_path):
+def test_a_manifest_cannot_remove_outside_the_jit_cache(cache, tmp_path, caplog):
+    """A CUDA mismatch removes the manifest's nvcc programs, which it names by plain
+    directory names of the JIT cache. No other entry removes anything: `..` (the workspace
+    itself, which the check `program.parent == jit_dir` let through), `.`, empty, a
+    relative or absolute path, FlashInfer's lock directory `tmp`, nor a link to a directory
+    elsewhere, which is left, named, and not counted as removed."""
+    jit_dir = cache / "cached_ops"
     outside = tmp_path / "keep"
     outside.mkdir()
+    (outside / "kept.so").write_bytes(b"so")
+    beside = cache / "beside.json"  # in the workspace, beside the JIT cache
+    beside.write_text("{}")
+    unlisted = jit_dir / "cake_c_sm90a_3"
+    unlisted.mkdir()
+    (jit_dir / "tmp").mkdir()
+    (jit_dir / "tmp" / "cake_c_sm90a_3.lock").write_text("")
+    (jit_dir / "linked").symlink_to(outside, target_is_directory=True)
+    entries = ["..", ".", "", "../../../../keep", "../cached_ops", str(outside), "tmp", "linked"]
     manifest = cache / iw.PREBUILD_MANIFEST
     manifest.write_text(
-        json.dumps(
-            {**HERE, "cuda": {"home": "/x", "version": "1"}, "nvcc_programs": ["../../../../keep"]}
-        )
+        json.dumps({**HERE, "cuda": {"home": "/x", "version": "1"}, "nvcc_programs": entries})
     )
-    iw.check_prebuilt_programs(HERE)
-    assert outside.is_dir()
+    with caplog.at_level(logging.WARNING):
+        iw.check_prebuilt_programs(HERE)
+    assert (outside / "kept.so").is_file() and beside.is_file()
+    assert unlisted.is_dir() and (jit_dir / "tmp" / "cake_c_sm90a_3.lock").is_file()
+    assert (jit_dir / "linked").is_symlink()
+    assert not manifest.exists()
+    assert "0 nvcc programs removed" in caplog.text
+    assert "left 1 linked program directories" in caplog.text and "linked" in caplog.text
+
+
+def test_one_toolkit_under_two_paths_is_one_cuda_home(cache, tmp_path, caplog):
+    """`/usr/local/cuda` linking to `/usr/local/cuda-13.0`: the prebuild recorded one
+    spelling, the engine finds the other; the programs are the same toolkit's and stay."""
+    real = tmp_path / "cuda-13.0"
+    real.mkdir()
+    (tmp_path / "cuda").symlink_to(real, target_is_directory=True)
+    manifest, programs = _prebuilt(cache, cuda={"home": str(real), "version": "13.0"})
+    here = {**HERE, "cuda": {"home": str(tmp_path / "cuda"), "version": "13.0"}}
+    with caplog.at_level(logging.INFO):
+        iw.check_prebuilt_programs(here)
+    assert all(program.is_dir() for program in programs)
+    assert manifest.is_file()
+    assert "3 prebuilt FlashInfer programs" in caplog.text
+
+
+def _held_elsewhere(lock_path: Path) -> bool:
+    """Whether another holder (a lock of its own, as another process's) has ``lock_path``."""
+    from filelock import FileLock, Timeout
+
+    result = []
+
+    def probe() -> None:
+        try:
+            with FileLock(str(lock_path), timeout=0):
+                result.append(False)
+        except Timeout:
+            result.append(True)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def test_the_engine_removes_a_program_under_flashinfers_lock_for_it(cache):
+    """FlashInfer builds and loads an nvcc program under its own lock
+    (`<jit dir>/tmp/<name>.lock`): while another process holds it, the engine's removal of
+    that program waits; then it removes it."""
+    from filelock import FileLock
+
+    _, programs = _prebuilt(cache, cuda={"home": "/usr/local/cuda", "version": "12.8"})
+    lock_dir = cache / "cached_ops" / "tmp"
+    lock_dir.mkdir()
+    building = FileLock(str(lock_dir / f"{programs[0].name}.lock"), thread_local=False)
+    building.acquire()
+    check = threading.Thread(target=iw.check_prebuilt_programs, args=(HERE,))
+    try:
+        check.start()
+        check.join(timeout=1.0)
+        assert check.is_alive(), "the removal did not wait for FlashInfer's lock"
+        assert programs[0].is_dir()
+    finally:
+        building.release()
+        check.join(timeout=10)
+    assert not check.is_alive()
+    assert not any(program.exists() for program in programs)
+
+
+def test_the_engines_check_waits_for_a_prebuild_holding_its_lock(cache):
+    """The prebuild holds patch 0004's prebuild lock across its check, build and write: an
+    engine's check (another process: another lock object) waits for it."""
+    from filelock import FileLock
+
+    manifest, programs = _prebuilt(cache, cuda={"home": "/usr/local/cuda", "version": "12.8"})
+    prebuilding = FileLock(str(manifest.with_suffix(".lock")), thread_local=False)
+    prebuilding.acquire()
+    check = threading.Thread(target=iw.check_prebuilt_programs, args=(HERE,))
+    try:
+        check.start()
+        check.join(timeout=1.0)
+        assert check.is_alive() and manifest.is_file()
+    finally:
+        prebuilding.release()
+        check.join(timeout=10)
+    assert not manifest.exists() and not any(program.exists() for program in programs)
+
+
+def test_the_prebuild_holds_one_lock_over_its_check_build_and_write(cache, monkeypatch, tmp_path):
+    """`vllm-minimax warmup --prebuild` (prebuild.run) checks the cache, builds and writes
+    its manifest under the lock the engine's check takes, held throughout; FlashInfer's
+    paths, the toolchain and the builds are stand-ins (the slow test below runs them)."""
+    import argparse
+
+    lock_path = cache / iw.PREBUILD_MANIFEST
+    lock_path = lock_path.with_suffix(".lock")
+    seen: dict[str, bool] = {}
+
+    def write_manifest(*args) -> Path:
+        seen["write"] = _held_elsewhere(lock_path)
+        return cache / iw.PREBUILD_MANIFEST
+
+    monkeypatch.setattr(
+        iw, "check_prebuilt_programs", lambda: seen.update(check=_held_elsewhere(lock_path))
+    )
+    monkeypatch.setattr(
+        prebuild,
+        "plan_programs",
+        lambda plan, builder: seen.update(build=_held_elsewhere(lock_path)),
+    )
+    monkeypatch.setattr(prebuild, "_write_manifest", write_manifest)
+    monkeypatch.setattr(prebuild, "_set_environment", lambda location: None)
+    monkeypatch.setattr(prebuild, "_check_flashinfer_paths", lambda location: cache / "cached_ops")
+    monkeypatch.setattr(prebuild, "_check_toolchain", lambda: "/usr/local/cuda")
+    args = argparse.Namespace(
+        cache_dir=tmp_path / "base",
+        config=[REPO / "configs/serve/h200-8x.yaml"],
+        gpu=["h200"],
+        kv_cache_dtype=["fp8"],
+        dry_run=False,
+        model="MiniMaxAI/MiniMax-M3-MXFP8",
+        jobs=1,
+        only=None,
+    )
+    assert prebuild.run(args) == 0
+    assert seen == {"check": True, "build": True, "write": True}
+    assert not _held_elsewhere(lock_path)
 
 
 def test_a_prebuild_for_another_release_or_arch_is_named_unused(cache, caplog):

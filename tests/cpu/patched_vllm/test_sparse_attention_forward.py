@@ -272,8 +272,8 @@ def test_the_warmup_launches_every_decode_query_length_the_engine_runs(
     """vLLM's JIT warm-up registry, fed by the layer's registration, launches FlashInfer's
     decode op once per decode query length a step can have (1, and 1 + k under MTP with k
     speculative tokens), each with whole requests of that length, and the prefill op with a
-    table its allocation-free programs take. Its launches run on the CPU here (their device
-    replaced), against the recorded ops."""
+    table its allocation-free programs take. Its launches run on the CPU here (their buffers'
+    device replaced), against the recorded ops."""
     import logging
 
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
@@ -282,18 +282,15 @@ def test_the_warmup_launches_every_decode_query_length_the_engine_runs(
     fa = importlib.import_module(cases.FA_MODULE)
     ops = RecordingMsaOps(compute=False)
     install(monkeypatch, ops, fa)
-    real_launch = fa.run_warmup_launch
-
-    def on_cpu(*args, **kwargs):
-        def cpu(value):
-            return CPU if isinstance(value, torch.device) else value
-
-        return real_launch(*map(cpu, args), **{k: cpu(v) for k, v in kwargs.items()})
-
-    monkeypatch.setattr(fa, "run_warmup_launch", on_cpu)
+    real_buffers = fa.WarmupBuffers
+    monkeypatch.setattr(
+        fa, "WarmupBuffers", lambda g, launches, device: real_buffers(g, launches, CPU)
+    )
     monkeypatch.setattr(fa, "_JIT", fa._SparseAttentionJit())
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda: (70 << 30, 80 << 30))
     # What the registration reads of an engine's config (a CPU VllmConfig has no model).
     config = SimpleNamespace(
         kernel_config=SimpleNamespace(enable_jit_warmup=True),

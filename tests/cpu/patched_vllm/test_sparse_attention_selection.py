@@ -8,6 +8,7 @@ heads per KV head), independently of the patch's code.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from types import SimpleNamespace
@@ -302,6 +303,36 @@ def test_failed_warmup_logs_and_lets_the_engine_start(monkeypatch, caplog):
         jit.compile(geometry)  # must not raise
     assert geometry in jit._compiled_cache
     assert "did not finish" in caplog.text and "AttributeError" in caplog.text
+
+
+@pytest.fixture(autouse=True)
+def cpu_device_memory(monkeypatch):
+    """The device calls of the warm-up's reservation, on this CPU-only host: free memory
+    (a list the test may change: the first call reads its first entry, later calls the
+    last), device 0, no-op synchronize and empty_cache, the launches' buffers in host
+    memory."""
+    import importlib
+
+    module = importlib.import_module(FA_MODULE)
+    buffers = getattr(module, "WarmupBuffers", None)  # absent from a8fd942's series
+    if buffers is not None:
+        monkeypatch.setattr(
+            module,
+            "WarmupBuffers",
+            lambda g, launches, d: buffers(g, launches, torch.device("cpu")),
+        )
+    free = [70 << 30]
+    calls = []
+
+    def memory_info():
+        calls.append(1)
+        return (free[0] if len(calls) == 1 else free[-1]), 80 << 30
+
+    monkeypatch.setattr(torch.accelerator, "get_memory_info", memory_info)
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    return free
 
 
 def _layer_view(layout_name: str, heads: int) -> torch.Tensor:
@@ -694,3 +725,180 @@ def test_the_layer_asks_the_selection_for_its_ranks_query_and_kv_heads(
     assert asked["sparse_block_size"] == 128 and asked["topk_blocks"] == 16
     assert asked["kv_cache_dtype"] == "fp8"
     assert asked["model_dtype"] == torch.bfloat16
+
+
+# --- issue 66: the reservation without the JIT warm-up, its buffers, its errors -----------
+
+
+class _ConstructionReached(Exception):
+    pass
+
+
+@pytest.mark.parametrize("jit_warmup", [True, False], ids=["jit-warmup", "enforce-eager"])
+def test_the_layer_checks_the_prebuild_and_reserves_the_scratch_with_the_jit_warmup_off(
+    monkeypatch, m3_heads_model_config, jit_warmup
+):
+    """vLLM turns `kernel_config.enable_jit_warmup` off for `--enforce-eager`: the sparse
+    layer built under it must still check a prebuild of FlashInfer's programs and launch the
+    sparse attention's programs (the decode scratch the profiler must count); only the JIT
+    registry's part depends on the setting. The layer (`nvidia/model.py`) is built for real
+    up to the end of its registrations, with stand-ins for what needs a distributed group
+    (projections, rotary embedding), for the indexer, and for the attend selection (which
+    returns FlashInfer's impl, as on an SM90 with an fp8 cache)."""
+    import importlib
+
+    from torch import nn
+    from vllm.config import CacheConfig, DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.models.minimax_m3.nvidia import indexer_flashinfer_warmup as iw
+    from vllm.models.minimax_m3.nvidia import model as m3_model
+
+    module = importlib.import_module(FA_MODULE)
+    checked, launches = [], []
+    monkeypatch.setattr(iw, "check_prebuilt_programs_once", lambda: checked.append(1))
+    monkeypatch.setattr(module, "run_warmup_launch", lambda *a: launches.append(a[1:4]))
+    jit = module._SparseAttentionJit()
+    monkeypatch.setattr(module, "_JIT", jit)
+
+    def stand_in(*args, **kwargs):
+        return nn.Identity()
+
+    def flashinfer_impl(*args, **kwargs):
+        return _impl(16, 2)
+
+    def select(**kwargs):
+        return module.MiniMaxM3SparseFlashInferBackend, flashinfer_impl
+
+    def stop(layer):
+        raise _ConstructionReached
+
+    monkeypatch.setattr(m3_model, "select_main_backend_and_impl_cls", select)
+    monkeypatch.setattr(m3_model, "get_tensor_model_parallel_world_size", lambda: 4)
+    monkeypatch.setattr(m3_model, "MiniMaxM3Indexer", lambda **kw: SimpleNamespace(impl=None))
+    # 0.34.0's layer goes on to its fused QKV epilogue; 0.33.0's ends after the registrations.
+    monkeypatch.setattr(m3_model, "_supports_qkv_fused_epilogue", stop, raising=False)
+    for name in ("MinimaxM3QKVParallelLinearWithIndexer", "RowParallelLinear", "get_rope"):
+        monkeypatch.setattr(m3_model, name, stand_in)
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    config.model_config = m3_heads_model_config
+    config.kernel_config.enable_jit_warmup = jit_warmup
+    with set_current_vllm_config(config), contextlib.suppress(_ConstructionReached):
+        m3_model.MiniMaxM3SparseAttention(
+            m3_heads_model_config.hf_text_config,
+            layer_id=1,
+            prefix="model.layers.1.self_attn",
+            cache_config=CacheConfig(cache_dtype="fp8"),
+        )
+    assert checked, "the prebuild was not checked"
+    assert launches, "the decode scratch was not reserved"
+    (geometry,) = jit._launched
+    assert launches == module.warmup_launches(geometry)
+    assert geometry.max_num_decodes == config.scheduler_config.max_num_seqs
+    # The JIT registry holds the layer only where the JIT warm-up runs.
+    assert bool(jit._layers) == jit_warmup
+
+
+def test_the_warmup_allocates_its_buffers_once_and_slices_them(monkeypatch, cpu_device_memory):
+    """Each launch takes leading slices of one set of buffers allocated before the first,
+    at their largest, so nothing of the warm-up's own lies between FlashInfer's retained
+    decode scratch allocations; each slice holds what the launch needs (the top-k selects
+    page 0, sequence lengths of the query length, page tables of the engine's width). The
+    log gives the free GPU memory the warm-up took beside the scratch it holds."""
+    import importlib
+
+    import flashinfer.msa_ops as msa_ops
+
+    module = importlib.import_module(FA_MODULE)
+    seen = []
+
+    def decode(q, k, v, topk, *, page_table, seqused_k, seqlen_q, out, **kwargs):
+        seen.append(
+            (
+                "decode",
+                q,
+                topk,
+                page_table,
+                seqused_k,
+                out,
+                seqlen_q,
+                topk.clone(),
+                seqused_k.clone(),
+            )
+        )
+
+    def prefill(q, k, v, topk, cu_seqlens_q, *, page_table, seqused_k, out, **kwargs):
+        seen.append(
+            ("prefill", q, topk, page_table, seqused_k, out, 1, topk.clone(), seqused_k.clone())
+        )
+
+    monkeypatch.setattr(msa_ops, "msa_sparse_decode_attention", decode)
+    monkeypatch.setattr(msa_ops, "msa_sparse_attention", prefill)
+    geometry = module.SparseAttentionWarmupGeometry(
+        num_heads=16,
+        num_kv_heads=2,
+        scale=0.088,
+        max_decode_query_len=3,
+        max_num_decodes=5,
+        max_num_batched_tokens=12,
+        block_table_width=40,
+    )
+    cpu_device_memory[:] = [70 << 30, (70 << 30) - (3 << 29)]  # 1.5 GiB taken
+    jit = module._SparseAttentionJit()
+    module.logger.propagate = True
+    records = []
+    monkeypatch.setattr(module.logger, "info", lambda *a: records.append(a[0] % a[1:]))
+    jit.reserve(geometry, torch.device("cpu"))
+    launches = module.warmup_launches(geometry)
+    assert [(kind, q.shape[0]) for kind, q, *_ in seen] == [
+        (kind, b * n if kind == "decode" else 1) for kind, b, n in launches
+    ]
+    for role in (1, 2, 3, 5):  # q, top-k, page table, out: one storage each
+        storages = {entry[role].untyped_storage().data_ptr() for entry in seen}
+        assert len(storages) == 1, f"argument {role} allocated per launch"
+    # What each launch saw, recorded as it ran (the slices share their storage).
+    for kind, q, topk, page_table, seq_lens, out, n, topk_then, lens_then in seen:
+        assert q.is_contiguous() and topk.is_contiguous() and page_table.is_contiguous()
+        assert topk.shape == (2, q.shape[0], 16) and out.shape == q.shape
+        assert (topk_then[..., 0] == 0).all() and (topk_then[..., 1:] == -1).all()
+        assert (lens_then == n).all() and len(seq_lens) == page_table.shape[0]
+        assert page_table.shape[1] == (40 if kind == "decode" else launches[-1][2])
+    (line,) = [r for r in records if "sparse attention warm-up" in r]
+    assert "1.50 GiB less free GPU memory" in line, line
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("cuModuleLoadData failed: CUDA_ERROR_OUT_OF_MEMORY"),
+        RuntimeError("CUDA error: out of memory"),
+        RuntimeError("cudaErrorMemoryAllocation"),
+    ],
+    ids=["torch", "driver-module-load", "runtime", "runtime-name"],
+)
+def test_every_out_of_memory_form_stops_the_engine(monkeypatch, error):
+    """A CuTe-DSL or driver module that cannot load for lack of memory raises no
+    `torch.OutOfMemoryError`, but the scratch is just as uncounted: the engine must stop,
+    whether the error is raised as it is or wrapped by the kernel's caller."""
+    import importlib
+
+    module = importlib.import_module(FA_MODULE)
+    for raised in (error, _wrapped(error)):
+
+        def out_of_memory(*args, raised=raised):
+            raise raised
+
+        monkeypatch.setattr(module, "run_warmup_launch", out_of_memory)
+        jit = module._SparseAttentionJit()
+        monkeypatch.setattr(module, "_JIT", jit)
+        with pytest.raises(RuntimeError, match="--max-num-seqs") as stopped:
+            module.register_sparse_attention_warmup(
+                _Layer(_impl(16, 2), _cache(3, 2, "HND")), _registration_config()
+            )
+        assert stopped.value.__cause__ is raised
+
+
+def _wrapped(error: BaseException) -> BaseException:
+    try:
+        raise RuntimeError("failed to compile the decode kernel") from error
+    except RuntimeError as wrapper:
+        return wrapper

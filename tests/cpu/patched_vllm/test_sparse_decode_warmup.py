@@ -135,6 +135,10 @@ GEOMETRIES = {
                               max_tokens=200, max_model_len=8192, fp8=True),
     "m3-tp2-one-page": dict(heads=32, kv_heads=2, spec_tokens=0, max_num_seqs=40,
                             max_tokens=2048, max_model_len=128, fp8=False),
+    # The budget is a batch's exact token count, whose variant no smaller batch has: 16
+    # single-token decodes start a top-k chunk count of their own (8 heads, 1 KV head).
+    "m3-tp8-budget-at-16": dict(heads=8, kv_heads=1, spec_tokens=0, max_num_seqs=64,
+                                max_tokens=16, max_model_len=8192, fp8=False),
 }  # fmt: skip
 
 
@@ -230,6 +234,30 @@ def test_classes_split_where_triton_specializes():
     assert max(launch.total_q for launch in launches) <= 20
     assert {(launch.num_decodes, launch.query_len) for launch in launches if launch.total_q > 8}
     assert 16 in {launch.total_q for launch in launches}  # 8 requests x 2 tokens
+
+
+def test_the_batch_exactly_at_the_token_budget_is_warmed():
+    """A step may hold exactly `max_num_batched_tokens` decode tokens: that batch is
+    reachable and its variant warmed, one token over is not reachable."""
+    geometry = _geometry(**GEOMETRIES["m3-tp8-budget-at-16"])
+    reachable = {
+        (launch.num_decodes, launch.query_len)
+        for launch in warmup.reachable_decode_launches(geometry)
+    }
+    assert (16, 1) in reachable and (17, 1) not in reachable
+    mtp = replace(geometry, max_decode_query_len=3, max_num_batched_tokens=18)
+    reachable = {
+        (launch.num_decodes, launch.query_len) for launch in warmup.reachable_decode_launches(mtp)
+    }
+    assert (6, 3) in reachable and (9, 2) in reachable and (7, 3) not in reachable
+    classes = {
+        warmup.decode_launch_class(geometry, launch.total_q)
+        for launch in warmup.decode_warmup_launches(geometry)
+    }
+    assert warmup.decode_launch_class(geometry, 16) in classes
+    assert warmup.decode_launch_class(geometry, 16) not in {
+        warmup.decode_launch_class(geometry, total) for total in range(1, 16)
+    }  # the edge is a variant of its own: a `<` in the filter would leave it cold
 
 
 def _engine_config(
