@@ -12,6 +12,7 @@ power-of-two quantizer of the per-channel online methods (`Fp8PtpcOnlineMoEMetho
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -255,3 +256,36 @@ def test_refuses_a_layer_whose_checkpoint_cannot_dequantize() -> None:
         ValueError, match=r"quantization_config\.linear requantizes model\.layers\.0\.o_proj"
     ):
         resolve_quant_method(checkpoint, Layer(), "model.layers.0.o_proj")
+
+
+def test_the_w8a8_arm_parses_as_vllms_quantization_override(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The arm's keys over the MXFP8 rank slice's serve config, as `vllm serve --config`
+    reads them: vLLM's online override with per-channel FP8 for linear layers and MoE."""
+    import yaml
+    from test_serve_configs import parse_serve_args
+    from vllm.config.quantization import QuantizationConfigArgs
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        kFp8StaticChannelSym,
+    )
+    from vllm.platforms import current_platform
+
+    from vllm_minimax import w8a8
+
+    # The parser fills its defaults from a DeviceConfig, which needs a device type.
+    monkeypatch.setattr(current_platform, "device_type", "cpu")
+    repo = Path(__file__).resolve().parents[3]
+    merged = {
+        **yaml.safe_load((repo / "evals/m3-tp8-rank-checkpoint-serve.yaml").read_text()),
+        **w8a8.arm_settings(repo / "evals" / w8a8.ARM_FILE),
+    }
+    path = tmp_path / "w8a8.yaml"
+    path.write_text(yaml.safe_dump(merged))
+    engine_args = EngineArgs.from_cli_args(parse_serve_args(path))
+    config = engine_args.quantization_config
+    assert isinstance(config, QuantizationConfigArgs)
+    assert config.linear.weight == kFp8StaticChannelSym
+    assert config.moe.weight == kFp8StaticChannelSym
+    assert engine_args.quantization is None
