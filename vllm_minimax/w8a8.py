@@ -28,8 +28,14 @@ ARM_FILE = "mxfp8-w8a8-arm.yaml"
 # vLLM's quantization_config as LLM(...) takes it (the arm file's, in Python).
 W8A8_QUANTIZATION_CONFIG: dict[str, str] = {"linear": "fp8_per_channel", "moe": "fp8_per_channel"}
 # Mean |prompt logprob difference| (nats, over every scored prompt token) that W8A8 may
-# differ from W8A16 by on the tiny MXFP8 model, and that the control must exceed.
-MEAN_ABS_BOUND = 0.05
+# differ from W8A16 by on the tiny MXFP8 model, and that the control must exceed. Set from
+# the CPU simulation of the three runs (python -m benchmarks.w8a8_tiny_sim, float32): W8A8
+# 0.222 (the per-token e4m3 rounding of every projection's input, about what MXFP8's weight
+# rounding costs: bf16 against W8A16 0.254), the rotated-experts control 1.468. 0.5 leaves
+# W8A8 2.3x for the GPU's bf16 arithmetic and kernels and sits 2.9x below the control. Only
+# gross faults (layout, scales applied wrongly, the wrong kernel) can fail it; a wrong
+# rounding of the weights is the CPU tests' to catch.
+MEAN_ABS_BOUND = 0.5
 
 
 def arm_file() -> Path:
