@@ -264,13 +264,14 @@ def test_the_w8a8_arm_parses_as_vllms_quantization_override(
     """The arm's keys over the MXFP8 rank slice's serve config, as `vllm serve --config`
     reads them: vLLM's online override with per-channel FP8 for linear layers and MoE."""
     import yaml
-    from test_serve_configs import parse_serve_args
     from vllm.config.quantization import QuantizationConfigArgs
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.model_executor.layers.quantization.utils.quant_utils import (
         kFp8StaticChannelSym,
     )
     from vllm.platforms import current_platform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from vllm_minimax import w8a8
 
@@ -283,7 +284,10 @@ def test_the_w8a8_arm_parses_as_vllms_quantization_override(
     }
     path = tmp_path / "w8a8.yaml"
     path.write_text(yaml.safe_dump(merged))
-    engine_args = EngineArgs.from_cli_args(parse_serve_args(path))
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    args = parser.parse_args(["--model", "MiniMaxAI/MiniMax-M3-MXFP8", "--config", str(path)])
+    validate_parsed_serve_args(args)
+    engine_args = EngineArgs.from_cli_args(args)
     config = engine_args.quantization_config
     assert isinstance(config, QuantizationConfigArgs)
     assert config.linear.weight == kFp8StaticChannelSym
