@@ -293,3 +293,49 @@ def test_the_w8a8_arm_parses_as_vllms_quantization_override(
     assert config.linear.weight == kFp8StaticChannelSym
     assert config.moe.weight == kFp8StaticChannelSym
     assert engine_args.quantization is None
+
+
+def test_the_override_resolves_mxfp8_linears_to_power_of_two_requantization(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the MXFP8 rank slice's config.json, vLLM composes the checkpoint's ModelOpt MXFP8
+    config with the override, and a quantized linear layer gets the per-channel online
+    method with the MXFP8 method as its source, on power-of-two scales."""
+    from vllm.config import LoadConfig, ModelConfig, set_current_vllm_config
+    from vllm.config.quantization import resolve_quantization_config
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.quantization.base_config import resolve_quant_method
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptMxFp8Config
+    from vllm.model_executor.layers.quantization.online.fp8 import (
+        Fp8PtpcOnlineLinearMethod,
+    )
+    from vllm.model_executor.model_loader.weight_utils import get_quant_config
+    from vllm.platforms import current_platform
+
+    from vllm_minimax import w8a8
+    from vllm_minimax.tiny_model import make_rank_model
+
+    monkeypatch.setattr(current_platform, "device_type", "cpu")
+    made = make_rank_model(tmp_path / "slice", "m3-tp8-rank", weights="mxfp8", experts="ep")
+    model_config = ModelConfig(
+        model=str(made["directory"]),
+        max_model_len=4096,
+        quantization_config=resolve_quantization_config(None, dict(w8a8.W8A8_QUANTIZATION_CONFIG)),
+    )
+    quant_config = get_quant_config(model_config, LoadConfig())
+    assert isinstance(quant_config, ModelOptMxFp8Config)
+    prefix = "model.layers.0.self_attn.o_proj"
+
+    class OProj(LinearBase):
+        def __init__(self) -> None:
+            torch.nn.Module.__init__(self)
+            self.input_size = self.input_size_per_partition = 1024
+            self.output_size = self.output_size_per_partition = 6144
+            self.tp_size, self.prefix, self.params_dtype = 1, prefix, torch.bfloat16
+
+    context = SimpleNamespace(model_config=model_config, quant_config=quant_config)
+    with set_current_vllm_config(context):
+        method = resolve_quant_method(quant_config, OProj(), prefix)
+    assert isinstance(method, Fp8PtpcOnlineLinearMethod)
+    assert isinstance(method.requantization_source, ModelOptLinearMethod)
+    assert method.requantizes_power_of_two_grid
