@@ -542,13 +542,21 @@ def add_make_tiny_model_parser(commands: Any) -> None:
         " the whole model in the published layout (no weights for either: serve with"
         " load-format dummy; see docs/real-geometry.md)",
     )
+    add_rank_layout_options(tiny_parser)
+    tiny_parser.set_defaults(handler=run_make_tiny_model)
+
+
+def add_rank_layout_options(tiny_parser: argparse.ArgumentParser) -> None:
+    """make-tiny-model's --weights and --experts: how a rank slice's weights are laid out."""
     tiny_parser.add_argument(
         "--weights",
         choices=("fp8-online", "mxfp8", "bf16"),
         default=None,
         help="with --geometry m3-tpN-rank: how the dummy weights are stored when served:"
         " fp8-online (default: the serve config sets quantization fp8), mxfp8 (config.json"
-        " carries MiniMaxAI/MiniMax-M3-MXFP8's quantization config) or bf16",
+        " carries MiniMaxAI/MiniMax-M3-MXFP8's quantization config) or bf16; with the"
+        " random-weight geometries: bf16 (default) or mxfp8 (the projections stored as"
+        " MXFP8 values and e8m0 scales, as MiniMaxAI/MiniMax-M3-MXFP8 stores them)",
     )
     tiny_parser.add_argument(
         "--experts",
@@ -557,7 +565,6 @@ def add_make_tiny_model_parser(commands: Any) -> None:
         help="with --geometry m3-tpN-rank: tp (default: all 128 experts, 3072 / N wide) or ep"
         " (128 / N whole experts, as enable-expert-parallel serves them)",
     )
-    tiny_parser.set_defaults(handler=run_make_tiny_model)
 
 
 def run_make_rank_model(args: argparse.Namespace) -> int:
@@ -640,9 +647,21 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
             "--for-vllm applies to the tiny MiniMax M3 and the other random-weight geometries"
             f" ({', '.join(tiny_model.RANDOM_WEIGHT_GEOMETRIES)}) only"
         )
+    if (
+        random_weights
+        and args.weights is not None
+        and (args.weights not in tiny_model.RANDOM_WEIGHT_LAYOUTS or args.kind == "llama")
+    ):
+        raise UserError(
+            f"--weights {args.weights}: the random-weight MiniMax M3 geometries take"
+            f" {' or '.join(tiny_model.RANDOM_WEIGHT_LAYOUTS)}"
+        )
     rank_only = [
         option
-        for option, given in (("--weights", args.weights), ("--experts", args.experts))
+        for option, given in (
+            ("--weights", None if random_weights else args.weights),
+            ("--experts", args.experts),
+        )
         if given is not None
     ]
     if rank_only and args.geometry not in tiny_model.RANK_GEOMETRIES:
@@ -678,12 +697,14 @@ def run_make_tiny_model(args: argparse.Namespace) -> int:
             mtp_modules=args.mtp_modules,
             config_layout=args.for_vllm or tiny_model.DEFAULT_CONFIG_LAYOUT,
             text_config=tiny_model.RANDOM_WEIGHT_GEOMETRIES[args.geometry],
+            weights_layout=args.weights or "bf16",
         ),
     )
+    stored = ", projections in MXFP8" if args.weights == "mxfp8" else ""
     print(
         f"wrote a {args.geometry} MiniMax M3 ({tiny_model.ARCHITECTURE},"
         f" {made['parameters']:,} parameters"
-        f" in {made['tensors']} tensors, config for vLLM"
+        f" in {made['tensors']} tensors{stored}, config for vLLM"
         f" {args.for_vllm or tiny_model.DEFAULT_CONFIG_LAYOUT}) to {directory}"
     )
     if "mtp" in made:

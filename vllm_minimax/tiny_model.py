@@ -329,14 +329,19 @@ def make_tiny_model(
     mtp_modules: int = 0,
     config_layout: str = DEFAULT_CONFIG_LAYOUT,
     text_config: dict[str, Any] | None = None,
+    weights_layout: str = "bf16",
 ) -> dict[str, Any]:
     """Write the tiny checkpoint into ``directory`` (and, with ``mtp_modules`` > 0, its MTP
     draft into ``directory / MTP_SUBDIRECTORY``), its ``config.json`` files in the layout of
     vLLM ``config_layout`` (one of ``CONFIG_LAYOUTS``); return a short summary.
     ``text_config``: the geometry (default :data:`TINY_TEXT_CONFIG`; one of
-    :data:`RANDOM_WEIGHT_GEOMETRIES`' values)."""
+    :data:`RANDOM_WEIGHT_GEOMETRIES`' values). ``weights_layout`` ``mxfp8``: the projections
+    stored as MXFP8 (:mod:`vllm_minimax.mxfp8_checkpoint`) and config.json carrying
+    :data:`MXFP8_QUANTIZATION_CONFIG`; ``bf16`` (default): as drawn."""
     if config_layout not in CONFIG_LAYOUTS:
         raise ValueError(f"config layout {config_layout!r}: one of {', '.join(CONFIG_LAYOUTS)}")
+    if weights_layout not in RANDOM_WEIGHT_LAYOUTS:
+        raise ValueError(f"weights {weights_layout!r}: one of {', '.join(RANDOM_WEIGHT_LAYOUTS)}")
     import torch
     from safetensors.torch import save_file
     from transformers import MiniMaxM3VLForCausalLM
@@ -348,13 +353,21 @@ def make_tiny_model(
     torch.manual_seed(seed)
     model = MiniMaxM3VLForCausalLM(config).to(torch.bfloat16).eval()
     weights = to_checkpoint_names(model.state_dict())
-    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    stored = weights
+    if weights_layout == "mxfp8":
+        from vllm_minimax.mxfp8_checkpoint import to_mxfp8_checkpoint
+
+        stored = to_mxfp8_checkpoint(weights)
+    save_file(stored, str(directory / "model.safetensors"), metadata={"format": "pt"})
     written = flat_config_json(config, directory, text_config)
-    _write_json(directory / "config.json", target_config_json(written, config_layout))
+    target = target_config_json(written, config_layout)
+    if weights_layout == "mxfp8":
+        target["quantization_config"] = dict(MXFP8_QUANTIZATION_CONFIG)
+    _write_json(directory / "config.json", target)
     parameters = sum(t.numel() for t in weights.values())
     summary: dict[str, Any] = {
         "directory": directory,
-        "tensors": len(weights),
+        "tensors": len(stored),
         "parameters": parameters,
     }
     if mtp_modules > 0:
@@ -636,6 +649,9 @@ DEFAULT_EXPERT_LAYOUT = "tp"
 # config of MiniMaxAI/MiniMax-M3-MXFP8 (:data:`MXFP8_QUANTIZATION_CONFIG`); ``bf16``: nothing,
 # served as is (MiniMaxAI/MiniMax-M3).
 WEIGHT_LAYOUTS = ("fp8-online", "mxfp8", "bf16")
+# --weights of the random-weight geometries: ``bf16`` (default) as drawn; ``mxfp8`` the same
+# draw with its projections stored as MXFP8 (vllm_minimax/mxfp8_checkpoint.py).
+RANDOM_WEIGHT_LAYOUTS = ("bf16", "mxfp8")
 DEFAULT_WEIGHT_LAYOUT = "fp8-online"
 # What vLLM 0.34.0 reads from a MiniMax checkpoint tagged ``quant_method: mxfp8``
 # (``ModelOptMxFp8Config.from_config``): the tag, which it maps to ``modelopt_mxfp8``, and
