@@ -4,7 +4,6 @@ a8fd942, whose eager engine did neither (the committed H100 runs of 2026-12-06 i
 
 from __future__ import annotations
 
-import gzip
 import json
 import shutil
 from pathlib import Path
@@ -15,6 +14,8 @@ from vllm_minimax.testing import eager_scratch
 
 REPO = Path(__file__).resolve().parents[2]
 REVIEW_RUNS = REPO / "results/h100/sparse-attention-review/engine"
+# The runs' records, less most prompt positions (tests/cpu/fixtures/.../README.md).
+REVIEW_RECORDS = REPO / "tests/cpu/fixtures/sparse_attention_engine"
 
 GEOMETRY = "SparseAttentionWarmupGeometry(num_heads=8, num_kv_heads=1, max_num_decodes=1024)"
 
@@ -136,8 +137,7 @@ def test_the_committed_h100_runs_of_a8fd942s_series_fail(tmp_path, capsys):
     runs.mkdir()
     for name in ("flashinfer-graphs", "flashinfer-eager"):
         shutil.copy(REVIEW_RUNS / f"{name}.log", runs)
-        packed = REVIEW_RUNS / f"{name}.json.gz"
-        (runs / f"{name}.json").write_bytes(gzip.decompress(packed.read_bytes()))
+        shutil.copy(REVIEW_RECORDS / f"{name}.json", runs)
     assert eager_scratch.main([str(runs)]) == 1
     out = capsys.readouterr().out
     assert "FAIL eager launched what graphs did: launches 17 graphs, None eager" in out
