@@ -216,7 +216,8 @@ def test_a_script_stopped_by_a_signal_puts_the_tree_back(env, site, tmp_path):
     probe.write_text(
         "source scripts/gpu-env.sh probe --vllm 0.34.0 --capability 9.0\n"
         'echo "phase running"\n'
-        "sleep 60 &\nwait $!\n"
+        # The sleep holds no end of the pipes, so the test waits for bash alone.
+        "sleep 60 > /dev/null 2>&1 &\nwait $!\n"
     )
     process = subprocess.Popen(
         ["bash", str(probe)],
