@@ -1,7 +1,7 @@
 """Per-GPU memory of MiniMax M3 served by vLLM 0.34.0: weights by checkpoint layout, KV cache
 by token, and the budget a serving config states.
 
-Weights come from the text model's geometry (:data:`vllm_minimax.tiny_model.M3_TEXT_CONFIG`,
+Weights come from the text model's geometry (:data:`vllm_minimax.m3_geometry.M3_TEXT_CONFIG`,
 transformers' ``MiniMaxM3VLTextConfig`` widths with the published layer pattern: 3 dense
 full-attention layers, then 57 MoE layers with sparse attention) and how vLLM 0.34.0 shards
 and stores each part at tensor parallelism ``TP`` (with ``enable-expert-parallel``, the
@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_minimax.m3_geometry import M3_TEXT_CONFIG, VLLM_VOCAB_PADDING
 from vllm_minimax.serve_config import read_serve_options, serve_config_of
-from vllm_minimax.tiny_model import M3_TEXT_CONFIG, VLLM_VOCAB_PADDING
 
 GIB = 2**30
 MXFP8_BLOCK = 32

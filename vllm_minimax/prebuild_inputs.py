@@ -23,7 +23,7 @@ from vllm_minimax.serve_config import (
 )
 
 # Checkpoints whose config.json this package knows without reading it: MiniMax M3's published
-# text config (tiny_model.M3_TEXT_CONFIG).
+# text config (m3_geometry.M3_TEXT_CONFIG).
 M3_CHECKPOINT_PREFIX = "MiniMaxAI/MiniMax-M3"
 
 
@@ -200,7 +200,7 @@ def read_model_geometry(model: str) -> ModelGeometry:
             raise PrebuildError(f"{candidate}: cannot be read ({error})") from None
         return geometry_from_config_json(config, str(candidate))
     if model.startswith(M3_CHECKPOINT_PREFIX):
-        from vllm_minimax.tiny_model import M3_TEXT_CONFIG
+        from vllm_minimax.m3_geometry import M3_TEXT_CONFIG
 
         return geometry_from_config_json(
             dict(M3_TEXT_CONFIG), f"MiniMax M3's published geometry (for {model})"

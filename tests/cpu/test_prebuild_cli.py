@@ -12,7 +12,7 @@ import pytest
 
 from vllm_minimax import prebuild, prebuild_inputs
 from vllm_minimax.cli import main
-from vllm_minimax.tiny_model import M3_TEXT_CONFIG
+from vllm_minimax.m3_geometry import M3_TEXT_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "serve" / "h200-8x.yaml"
