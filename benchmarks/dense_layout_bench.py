@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import timing
-from vllm_minimax.tiny_model import M3_TEXT_CONFIG
+from vllm_minimax.m3_geometry import M3_TEXT_CONFIG
 
 HEAD_DIM: int = M3_TEXT_CONFIG["head_dim"]
 QUERY_HEADS: int = M3_TEXT_CONFIG["num_attention_heads"]

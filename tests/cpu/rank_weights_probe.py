@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", type=Path, metavar="DIR")
     args = parser.parse_args(argv)
-    from vllm_minimax.tiny_model import M3_TEXT_CONFIG
+    from vllm_minimax.m3_geometry import M3_TEXT_CONFIG
 
     result: dict = {}
     for model_dir in args.models:

@@ -41,7 +41,7 @@ class ReplyingServer(StubServer):
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from vllm_minimax.tiny_model import build_tokenizer
+    from vllm_minimax.tiny_tokenizer import build_tokenizer
 
     directory = tmp_path_factory.mktemp("tok")
     build_tokenizer(directory)

@@ -506,7 +506,7 @@ def test_a_report_that_cannot_be_written_leaves_the_runs_own_error(
     """A run that failed keeps its error and its throughput.json when the disk then has no room
     for throughput.md, and leaves no empty or scratch report behind."""
     from vllm_minimax.evals import throughput
-    from vllm_minimax.tiny_model import build_tokenizer
+    from vllm_minimax.tiny_tokenizer import build_tokenizer
 
     build_tokenizer(tmp_path / "tok")
     out = tmp_path / "out"
@@ -559,7 +559,7 @@ def test_preset_longer_than_max_model_len_is_refused_naming_both(tmp_path, capsy
 def test_server_that_never_answers_fails_at_the_first_byte_timeout(
     tmp_path, capsys, stand_in_server
 ):
-    from vllm_minimax.tiny_model import build_tokenizer
+    from vllm_minimax.tiny_tokenizer import build_tokenizer
 
     build_tokenizer(tmp_path / "tok")
     out = tmp_path / "out"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_minimax.m3_geometry import M3_TEXT_CONFIG, parameter_counts, rank_text_config
 from vllm_minimax.memory_budget import (
     CARDS,
     CHECKPOINTS,
@@ -25,7 +26,6 @@ from vllm_minimax.memory_budget import (
     read_stated_budget,
     weight_bytes_per_gpu,
 )
-from vllm_minimax.tiny_model import M3_TEXT_CONFIG, parameter_counts, rank_text_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO / "configs" / "serve"

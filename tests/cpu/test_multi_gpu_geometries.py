@@ -9,13 +9,12 @@ import json
 import pytest
 
 from vllm_minimax import cli
+from vllm_minimax.m3_geometry import M3_TEXT_CONFIG, rank_text_config
 from vllm_minimax.tiny_model import (
     M3_HEADS_TEXT_CONFIG,
     M3_MTP_MODULES,
-    M3_TEXT_CONFIG,
     MXFP8_QUANTIZATION_CONFIG,
     PUBLISHED_MODEL_TYPE,
-    rank_text_config,
 )
 
 RANK_HEADS = ("num_attention_heads", "num_key_value_heads", "index_n_heads", "head_dim")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_minimax import prebuild
+from vllm_minimax import prebuild, prebuild_inputs
 from vllm_minimax.cli import main
-from vllm_minimax.tiny_model import M3_TEXT_CONFIG
+from vllm_minimax.m3_geometry import M3_TEXT_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "serve" / "h200-8x.yaml"
@@ -68,23 +68,25 @@ def test_an_unknown_gpu_is_refused(capsys):
 
 
 def test_engine_settings_of_a_shipped_config():
-    settings = prebuild.read_engine_settings(CONFIG)
+    settings = prebuild_inputs.read_engine_settings(CONFIG)
     assert (settings.tensor_parallel_size, settings.max_model_len) == (8, 131072)
     assert (settings.max_num_seqs, settings.max_num_batched_tokens) == (256, 16384)
     assert settings.num_speculative_tokens == 3  # h200-8x: EAGLE3 with K = 3
     assert settings.kv_cache_dtype == "auto"
-    assert prebuild.read_engine_settings(CONFIG, "fp8").kv_cache_dtype == "fp8"
+    assert prebuild_inputs.read_engine_settings(CONFIG, "fp8").kv_cache_dtype == "fp8"
 
 
 def test_engine_settings_refuse_what_they_cannot_read_exactly(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("max-model-len: 128k\n")
-    with pytest.raises(prebuild.PrebuildError, match="max-model-len must be a positive integer"):
-        prebuild.read_engine_settings(config)
+    with pytest.raises(
+        prebuild_inputs.PrebuildError, match="max-model-len must be a positive integer"
+    ):
+        prebuild_inputs.read_engine_settings(config)
     config.write_text('speculative-config: \'{"method": "mtp", "num_speculative_tokens": 3}\'\n')
-    assert prebuild.read_engine_settings(config).num_speculative_tokens == 3
+    assert prebuild_inputs.read_engine_settings(config).num_speculative_tokens == 3
     config.write_text("enforce-eager: true\n")
-    assert "enforce-eager" in str(prebuild.read_engine_settings(config).warmup_off)
+    assert "enforce-eager" in str(prebuild_inputs.read_engine_settings(config).warmup_off)
 
 
 def test_model_geometry_from_either_config_layout(tmp_path, tp8_rank_model):
@@ -102,7 +104,7 @@ def test_model_geometry_from_either_config_layout(tmp_path, tp8_rank_model):
     (published / "config.json").write_text(
         json.dumps({"text_config": {**text, "sparse_attention_config": sparse}})
     )
-    first, second = (prebuild.read_model_geometry(str(p)) for p in (flat, published))
+    first, second = (prebuild_inputs.read_model_geometry(str(p)) for p in (flat, published))
     assert first.num_attention_heads == second.num_attention_heads == 8
     assert first.num_key_value_heads == second.num_key_value_heads == 1
     assert first.index_heads == second.index_heads == 1
@@ -110,11 +112,11 @@ def test_model_geometry_from_either_config_layout(tmp_path, tp8_rank_model):
 
 
 def test_m3_checkpoints_take_the_published_geometry_and_others_a_config():
-    geometry = prebuild.read_model_geometry("MiniMaxAI/MiniMax-M3-MXFP8")
+    geometry = prebuild_inputs.read_model_geometry("MiniMaxAI/MiniMax-M3-MXFP8")
     assert geometry.num_attention_heads == M3_TEXT_CONFIG["num_attention_heads"] == 64
     assert geometry.index_heads == 4
-    with pytest.raises(prebuild.PrebuildError, match=r"no config\.json for model"):
-        prebuild.read_model_geometry("someone/other-model")
+    with pytest.raises(prebuild_inputs.PrebuildError, match=r"no config\.json for model"):
+        prebuild_inputs.read_model_geometry("someone/other-model")
 
 
 # --- FlashInfer's own kernel wheels --------------------------------------------------------

@@ -16,14 +16,8 @@ import pytest
 from patchset_helpers import run_json_probe
 
 from vllm_minimax import cli
-from vllm_minimax.tiny_model import (
-    ARCHITECTURE,
-    M3_TEXT_CONFIG,
-    RANK_GEOMETRIES,
-    parameter_counts,
-    weight_bytes,
-    write_config_only_model,
-)
+from vllm_minimax.m3_geometry import M3_TEXT_CONFIG, parameter_counts, weight_bytes
+from vllm_minimax.tiny_model import ARCHITECTURE, RANK_GEOMETRIES, write_config_only_model
 
 PROBE = Path(__file__).parent / "rank_geometry_probe.py"
 EMBEDDING_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
@@ -130,7 +124,7 @@ def test_parameter_counts_match_vllms_build(probed, rank_dirs, geometry):
 def test_tp8_rank_is_the_issues_53b():
     """Issue 18's sizing: 128 x 3 x 6144 x 3072 per MoE layer (7.2B), ~53B on a TP-8 rank,
     ~106 GB in bf16 and ~53 GB in fp8."""
-    from vllm_minimax.tiny_model import rank_text_config
+    from vllm_minimax.m3_geometry import rank_text_config
 
     counts = parameter_counts(rank_text_config(8))
     experts_only = 57 * 128 * 3 * 6144 * 3072 // 8

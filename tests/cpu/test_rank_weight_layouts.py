@@ -13,8 +13,9 @@ import pytest
 from patchset_helpers import run_json_probe
 
 from vllm_minimax import cli
+from vllm_minimax.m3_geometry import parameter_counts
 from vllm_minimax.memory_budget import Parallelism, parameters_per_gpu
-from vllm_minimax.tiny_model import MXFP8_QUANTIZATION_CONFIG, parameter_counts
+from vllm_minimax.tiny_model import MXFP8_QUANTIZATION_CONFIG
 
 PROBE = Path(__file__).parent / "rank_weights_probe.py"
 REPO = Path(__file__).resolve().parents[2]

@@ -242,7 +242,7 @@ def test_missing_traces_exit_2(tmp_path, capsys):
 
 
 def test_sparse_layer_count_reads_the_layer_pattern(tmp_path):
-    from vllm_minimax.tiny_model import M3_TEXT_CONFIG
+    from vllm_minimax.m3_geometry import M3_TEXT_CONFIG
 
     (tmp_path / "config.json").write_text(json.dumps(M3_TEXT_CONFIG))
     assert step_profile.sparse_layer_count(Path(tmp_path)) == 57

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vllm_minimax.tiny_model import build_tokenizer
+from vllm_minimax.tiny_tokenizer import build_tokenizer
 
 TINY_LLAMA_CONFIG: dict[str, Any] = {
     "hidden_size": 128,

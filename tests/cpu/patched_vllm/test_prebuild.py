@@ -34,11 +34,17 @@ from test_indexer_flashinfer_warmup import _geometry, _Recorder
 from vllm.models.minimax_m3.nvidia import indexer_flashinfer_warmup as iw
 from vllm.models.minimax_m3.nvidia import sparse_attention_flashinfer as sa
 
-from vllm_minimax import flashinfer_offline, prebuild
+from vllm_minimax import (
+    flashinfer_offline,
+    prebuild,
+    prebuild_geometry,
+    prebuild_inputs,
+    prebuild_programs,
+)
 
 REPO = Path(__file__).resolve().parents[3]
-H200 = prebuild.GPU_TARGETS["h200"]
-H20 = prebuild.GPU_TARGETS["h20"]
+H200 = prebuild_inputs.GPU_TARGETS["h200"]
+H20 = prebuild_inputs.GPU_TARGETS["h20"]
 
 
 @pytest.fixture(autouse=True)
@@ -46,10 +52,10 @@ def cute_dsl_target(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", flashinfer_offline.SM90_CUTE_DSL_ARCH)
 
 
-def _plan(gpu=H200, *, indexer=None, sparse_attention=None) -> prebuild.Plan:
-    plan = prebuild.Plan(gpu, indexer=indexer, sparse_attention=sparse_attention)
-    builder = prebuild.Builder(build=False, jobs=1, only=None, say=lambda text: None)
-    prebuild.plan_programs(plan, builder)
+def _plan(gpu=H200, *, indexer=None, sparse_attention=None) -> prebuild_geometry.Plan:
+    plan = prebuild_geometry.Plan(gpu, indexer=indexer, sparse_attention=sparse_attention)
+    builder = prebuild_programs.Builder(build=False, jobs=1, only=None, say=lambda text: None)
+    prebuild_programs.plan_programs(plan, builder)
     return plan
 
 
@@ -95,8 +101,8 @@ def test_offline_flashinfer_plans_with_the_gpus_sm_count():
     call = iw.TopkSelectCall(max_k_tiles=54, total_q=16384)
     picked = {}
     for gpu in (H200, H20):
-        builder = prebuild.Builder(build=False, jobs=1, only=None, say=lambda text: None)
-        sink = prebuild._Sink(builder)
+        builder = prebuild_programs.Builder(build=False, jobs=1, only=None, say=lambda text: None)
+        sink = prebuild_programs._Sink(builder)
         with flashinfer_offline.offline_sm90(gpu.sm_count, sink):
             iw._run_topk_select(call, 1, device=torch.device("cpu"))
         picked[gpu.name] = (sink.names, sink.cute_names)
@@ -182,7 +188,7 @@ def test_offline_plan_is_what_the_h100_engine_built_on_empty_caches():
     assert f"[{indexer!r}]" in log and f"[{sparse!r}]" in log  # the engine's own geometries
     built = set(re.findall(r"Building JIT module (\S+);", log))
     built |= set(re.findall(r"Compiling CuTe-DSL kernel (\S+)", log))
-    plan = _plan(prebuild.GPU_TARGETS["h100"], indexer=indexer, sparse_attention=sparse)
+    plan = _plan(prebuild_inputs.GPU_TARGETS["h100"], indexer=indexer, sparse_attention=sparse)
     assert (len(plan.nvcc), len(plan.cute_dsl)) == (13, 21)
     assert {*plan.nvcc, *plan.cute_dsl} == built
 
@@ -190,14 +196,14 @@ def test_offline_plan_is_what_the_h100_engine_built_on_empty_caches():
 # --- the geometry the prebuild reads -------------------------------------------------------
 
 
-def _published() -> prebuild.ModelGeometry:
-    return prebuild.read_model_geometry("MiniMaxAI/MiniMax-M3-MXFP8")
+def _published() -> prebuild_inputs.ModelGeometry:
+    return prebuild_inputs.read_model_geometry("MiniMaxAI/MiniMax-M3-MXFP8")
 
 
 def test_h200_config_gives_the_engines_indexer_geometry():
-    settings = prebuild.read_engine_settings(REPO / "configs/serve/h200-8x.yaml")
-    shape = prebuild.engine_shape(settings, _published(), H200)
-    geometry, reason = prebuild.indexer_geometry(settings, _published(), shape)
+    settings = prebuild_inputs.read_engine_settings(REPO / "configs/serve/h200-8x.yaml")
+    shape = prebuild_geometry.engine_shape(settings, _published(), H200)
+    geometry, reason = prebuild_geometry.indexer_geometry(settings, _published(), shape)
     assert reason is None
     assert geometry == iw.IndexerFlashInferGeometry(
         arch="sm90",
@@ -208,15 +214,15 @@ def test_h200_config_gives_the_engines_indexer_geometry():
         max_model_len=131072,
         num_sms=132,
     )
-    sparse, why = prebuild.sparse_attention_geometry(settings, _published(), shape)
+    sparse, why = prebuild_geometry.sparse_attention_geometry(settings, _published(), shape)
     assert sparse is None
     assert "kv_cache_dtype=auto" in why
 
 
 def test_an_fp8_kv_cache_adds_the_sparse_attention():
-    settings = prebuild.read_engine_settings(REPO / "configs/serve/h200-8x.yaml", "fp8")
-    shape = prebuild.engine_shape(settings, _published(), H200)
-    geometry, reason = prebuild.sparse_attention_geometry(settings, _published(), shape)
+    settings = prebuild_inputs.read_engine_settings(REPO / "configs/serve/h200-8x.yaml", "fp8")
+    shape = prebuild_geometry.engine_shape(settings, _published(), H200)
+    geometry, reason = prebuild_geometry.sparse_attention_geometry(settings, _published(), shape)
     assert reason is None
     assert geometry == sa.SparseAttentionWarmupGeometry(
         num_heads=8,
@@ -288,15 +294,15 @@ def test_the_prebuild_plans_the_geometry_the_engine_registers(monkeypatch, mtp, 
     does not follow fails here."""
     import dataclasses
 
-    settings = prebuild.read_engine_settings(REPO / "configs/serve/h200-8x.yaml", "fp8")
+    settings = prebuild_inputs.read_engine_settings(REPO / "configs/serve/h200-8x.yaml", "fp8")
     settings = dataclasses.replace(
         settings,
         num_speculative_tokens=mtp,
         decode_context_parallel_size=dcp,
         max_model_len=max_model_len or settings.max_model_len,
     )
-    shape = prebuild.engine_shape(settings, _published(), H200)
-    planned, reason = prebuild.sparse_attention_geometry(settings, _published(), shape)
+    shape = prebuild_geometry.engine_shape(settings, _published(), H200)
+    planned, reason = prebuild_geometry.sparse_attention_geometry(settings, _published(), shape)
     assert reason is None
     assert planned == _registered_geometry(monkeypatch, settings, shape, _published())
 
@@ -305,16 +311,16 @@ def test_unset_batch_bounds_take_vllms_defaults_for_the_gpu(tp8_rank_model):
     """The rank slice's config sets neither bound: vLLM's defaults for an H100 or H200
     (`vllm serve`: 8192 tokens, 1024 sequences), read from vLLM on a simulated GPU of that
     memory, and the rank's heads from its config.json."""
-    settings = prebuild.read_engine_settings(REPO / "evals/h200-m3-tp8-rank-serve.yaml")
-    geometry_of_model = prebuild.read_model_geometry(str(tp8_rank_model))
-    for gpu in (prebuild.GPU_TARGETS["h100"], H200):
-        shape = prebuild.engine_shape(settings, geometry_of_model, gpu)
+    settings = prebuild_inputs.read_engine_settings(REPO / "evals/h200-m3-tp8-rank-serve.yaml")
+    geometry_of_model = prebuild_inputs.read_model_geometry(str(tp8_rank_model))
+    for gpu in (prebuild_inputs.GPU_TARGETS["h100"], H200):
+        shape = prebuild_geometry.engine_shape(settings, geometry_of_model, gpu)
         assert (shape.max_num_batched_tokens, shape.max_num_seqs) == (8192, 1024)
         assert shape.sources["max_num_seqs"] == f"vLLM's default for {gpu.device_name}"
-    small = prebuild.GpuTarget("small", 132, 40.0, "NVIDIA L40S")
-    shape = prebuild.engine_shape(settings, geometry_of_model, small)
+    small = prebuild_inputs.GpuTarget("small", 132, 40.0, "NVIDIA L40S")
+    shape = prebuild_geometry.engine_shape(settings, geometry_of_model, small)
     assert (shape.max_num_batched_tokens, shape.max_num_seqs) == (2048, 256)
-    geometry, _ = prebuild.indexer_geometry(settings, geometry_of_model, shape)
+    geometry, _ = prebuild_geometry.indexer_geometry(settings, geometry_of_model, shape)
     assert (geometry.num_index_heads, geometry.max_model_len) == (1, 132096)
 
 
@@ -541,7 +547,7 @@ def test_the_prebuild_holds_one_lock_over_its_check_build_and_write(cache, monke
         "plan_programs",
         lambda plan, builder: seen.update(build=_held_elsewhere(lock_path)),
     )
-    monkeypatch.setattr(prebuild, "_write_manifest", write_manifest)
+    monkeypatch.setattr(prebuild, "write_manifest", write_manifest)
     monkeypatch.setattr(prebuild, "_set_environment", lambda location: None)
     monkeypatch.setattr(prebuild, "_check_flashinfer_paths", lambda location: cache / "cached_ops")
     monkeypatch.setattr(prebuild, "_check_toolchain", lambda: "/usr/local/cuda")
