@@ -470,6 +470,18 @@ def test_the_script_serves_the_rotated_arms_with_three_rounds_and_the_fourth_arm
     assert refused.returncode == 2 and "no arm nope" in refused.stderr
 
 
+def test_served_point_names_keep_the_card_order_and_refuse_a_point_the_card_lacks(tmp_path):
+    picks = "/^served_points() {/,/^}/p"
+    code = f"set -uo pipefail; source <(sed -n '{picks};/^SERVED_[A-Z0-9_]*=/p' {SCRIPT}); "
+    kept = run_bash(code + "served_points h100", SERVED_POINT_NAMES="mixed-c16 prefill-128k-c1")
+    assert kept.returncode == 0, kept.stderr
+    assert kept.stdout.split() == ["prefill-128k-c1", "mixed-c16"]
+    every = run_bash(code + "served_points h100")
+    assert every.stdout.split() == [*POINTS, "decode-32k-c64"]
+    refused = run_bash(code + "served_points h200", SERVED_POINT_NAMES="decode-32k-c64")
+    assert refused.returncode == 2 and "no point decode-32k-c64 on h200" in refused.stderr
+
+
 FAKE_EVAL = """
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[sys.argv.index("--out") + 1])
