@@ -251,7 +251,8 @@ def _complete(
 
 
 # What an lm-eval loglikelihood task asks: the sampled tokens' and the prompt's logprobs
-# (vLLM's sampler compiles its logprobs kernel at the first such request).
+# (stock vLLM's sampler compiles its logprobs kernel at the first such request; the series
+# warms it before ready, patch 0009).
 LOGPROBS = {"logprobs": 2, "prompt_logprobs": 1}
 
 

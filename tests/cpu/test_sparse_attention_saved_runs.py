@@ -97,6 +97,14 @@ def test_the_engine_checks_fail_a_kernel_of_the_series_compiled_after_ready(tmp_
     assert "1 failed" in result.stdout and "_sparse_attn_decode_kernel" in result.stdout
 
 
+def test_the_engine_checks_fail_the_sampler_kernel_where_the_series_warms_it(tmp_path):
+    """The saved runs predate patch 0009, so their sampler kernel passes as stock vLLM's; a run
+    whose vLLM warmed it (``logprobs_kernel_warmed``) and still compiled it after ready fails."""
+    result = _pytest(_saved_runs(tmp_path, **{"triton-graphs": {"logprobs_kernel_warmed": True}}))
+    assert result.returncode != 0
+    assert "1 failed" in result.stdout and "_topk_log_softmax_kernel" in result.stdout
+
+
 def test_the_engine_checks_fail_a_run_without_the_jit_record(tmp_path):
     unrecorded = {"jit_compiled_after_ready": None}
     result = _pytest(_saved_runs(tmp_path, **{"flashinfer-graphs": unrecorded}))

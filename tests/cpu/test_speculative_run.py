@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from vllm_minimax import tiny_eagle3
 from vllm_minimax.testing import speculative_run
+from vllm_minimax.testing.engine_runs import logprobs_kernel_warmed
 
 
 def metrics_text(drafts: int, tokens: int, accepted: list[int], engines: int = 1) -> str:
@@ -98,6 +100,55 @@ def test_m3_triton_kernels_are_read_off_the_tree(tmp_path: Path) -> None:
     )
     (tmp_path / "vllm" / "other.py").write_text("@triton.jit\ndef _elsewhere():\n    pass\n")
     assert speculative_run.m3_triton_kernels(tmp_path) == {"_one", "_two"}
+
+
+def _sampler_tree(root: Path, warmed: bool) -> Path:
+    sample = root / "vllm" / "v1" / "worker" / "gpu" / "sample"
+    sample.mkdir(parents=True)
+    warmup = "def warmup_token_logprobs(logits, max_num_token_ids):\n    pass\n" if warmed else ""
+    (sample / "logprob.py").write_text("def compute_token_logprobs(x):\n    pass\n\n" + warmup)
+    return root
+
+
+def test_the_sampler_kernel_is_the_series_where_0009_warms_it(tmp_path: Path) -> None:
+    """A served log's logprobs kernel counts as the series' once the tree warms it (patch 0009),
+    and is reported as vLLM's own on a tree without the warm-up (stock, or an older series)."""
+    warmed = _sampler_tree(tmp_path / "warmed", warmed=True)
+    stock = _sampler_tree(tmp_path / "stock", warmed=False)
+    assert speculative_run.series_triton_kernels(warmed) == {"_topk_log_softmax_kernel"}
+    assert speculative_run.series_triton_kernels(stock) == set()
+    kernels = speculative_run.series_triton_kernels(warmed) | {"_gqa_sparse_decode_kernel"}
+    compiled = speculative_run.compiled_after_ready(AFTER_READY, kernels)
+    assert compiled["series"] == ["_topk_log_softmax_kernel", "_gqa_sparse_decode_kernel"]
+    assert compiled["other"] == ["eagle_prepare_inputs_kernel"]
+
+
+def test_the_patched_tree_warms_the_sampler_kernel(tmp_path: Path) -> None:
+    """The installed vLLM 0.34.0 is stock; with the series applied (as the GPU scripts do) its
+    logprob.py carries 0009's warm-up, which the check finds."""
+    import importlib.util
+    import shutil
+
+    from vllm_minimax import patchset
+
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
+    installed = Path(spec.origin).parents[1]
+    assert not logprobs_kernel_warmed(installed)
+    rel = Path("vllm/v1/worker/gpu/sample/logprob.py")
+    (tmp_path / rel).parent.mkdir(parents=True)
+    shutil.copy(installed / rel, tmp_path / rel)
+    series = patchset.read_series(
+        patchset.require_series_dir(patchset.read_vllm_version(installed))
+    )
+    sampler_patch = [patch for patch in series if str(rel) in patch.paths]
+    assert len(sampler_patch) == 1, "one patch of the series changes logprob.py"
+    subprocess.run(
+        ["git", "apply", "--include", str(rel), str(sampler_patch[0].path)],
+        cwd=tmp_path,
+        check=True,
+    )
+    assert logprobs_kernel_warmed(tmp_path)
 
 
 def test_the_installed_m3_tree_has_kernels() -> None:

@@ -14,10 +14,12 @@ ready. The run records the KV-cache layout the engine resolved (``kv_cache_layou
 ``VLLM_KV_CACHE_LAYOUT`` forces one), per sparse attention layer, the attend its impl
 resolved for the bound cache (``sparse_attends``: flashinfer, triton or msa), and every kernel
 vLLM's JIT monitor saw compiled after the engine was ready (``jit_compiled_after_ready``;
-Triton's included, the monitor in its warn mode, so that vLLM's own sampler kernel, which its
-warm-up misses, is recorded rather than ending the run). It records what the process holds on
-the GPU once the engine is ready (``gpu_used_after_ready_gib``), beside the share of the card
-it was given. An engine that does not start records its error.
+Triton's included, the monitor in its warn mode, so that a kernel compiled then is recorded
+rather than ending the run), and whether the tree warms vLLM's own sampler kernel, which stock
+vLLM compiles at the first logprobs request (``logprobs_kernel_warmed``: patch 0009). It
+records what the process holds on the GPU once the engine is ready
+(``gpu_used_after_ready_gib``), beside the share of the card it was given. An engine that does
+not start records its error.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 from vllm_minimax.testing.engine_runs import (
     generate_seeded_prompts,
+    logprobs_kernel_warmed,
     record_run,
     recording_jit_events,
     sparse_layer_attends,
@@ -41,6 +44,7 @@ GPU_MEMORY_UTILIZATION = 0.3
 
 def run(args: argparse.Namespace) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import vllm
     from vllm import LLM, SamplingParams
 
     speculative_config = None
@@ -85,6 +89,7 @@ def run(args: argparse.Namespace) -> dict:
             )
         )
     result["jit_compiled_after_ready"] = compiled
+    result["logprobs_kernel_warmed"] = logprobs_kernel_warmed(Path(vllm.__file__).parents[1])
     return result
 
 

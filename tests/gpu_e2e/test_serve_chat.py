@@ -13,8 +13,9 @@ The server is vLLM's own (`python -m vllm.entrypoints.openai.api_server`, what
 `vllm serve` runs). Checked: the indexer on FlashInfer, the engine's speculative config
 (eagle3 with the file's K), the draft's layers on the backend the file names, the
 spec-decode counters after a request (written to `speculative.json` in the run's
-directory with the draft's acceptance), and nothing of the series (FlashInfer programs,
-MiniMax M3's Triton kernels) compiled after the server was ready.
+directory with the draft's acceptance), and, after completions asking for logprobs, nothing of
+the series (FlashInfer programs, MiniMax M3's Triton kernels, vLLM's logprobs kernel where
+patch 0009 warms it) compiled after the server was ready.
 
 The random model calls no tool: the test checks that the request with `tools` is
 accepted and parsed into a well-formed choice, not what it says; the random draft's
@@ -183,13 +184,42 @@ def test_chat_request_with_tools_is_accepted_and_parsed(server):
     assert len(counters["per_position"]) == spec["num_speculative_tokens"]
 
 
+# 1 + each is the count of token ids vLLM's logprobs kernel scores a row (sampled and
+# prompt): one number of each of its launch classes up to the default max_logprobs (20) that
+# stock vLLM's warm-ups miss (patch 0009 warms them).
+LOGPROBS = (0, 2, 8, 15, 20)
+
+
+def test_logprobs_requests_are_answered(server):
+    """Completions asking for sampled and, through ``echo``, prompt logprobs, one request per
+    number, through the speculative verification; the next test reads what they compiled."""
+    base = server["base"]
+    for number in LOGPROBS:
+        status, reply = _post(
+            f"{base}/v1/completions",
+            {
+                "model": SERVED_NAME,
+                "prompt": "The weather in Paris is",
+                "max_tokens": 4,
+                "temperature": 0,
+                "logprobs": number,
+                "echo": True,
+            },
+        )
+        assert status == 200, reply
+        logprobs = reply["choices"][0]["logprobs"]
+        generated = reply["usage"]["completion_tokens"]
+        assert len(logprobs["token_logprobs"]) > generated >= 1, (number, logprobs)
+
+
 def test_nothing_of_the_series_compiled_after_ready(server):
-    """Runs after the request: the log past the ready offset holds no FlashInfer build and
-    no JIT monitor event of MiniMax M3's Triton kernels (others are reported)."""
+    """Runs after the requests: the log past the ready offset holds no FlashInfer build and
+    no JIT monitor event of the series' Triton kernels (MiniMax M3's, and vLLM's logprobs
+    kernel where patch 0009 warms it; others are reported)."""
     import vllm
 
     log = server["log_path"].read_text(errors="replace")[server["ready_offset"] :]
-    kernels = speculative_run.m3_triton_kernels(Path(vllm.__file__).parents[1])
+    kernels = speculative_run.series_triton_kernels(Path(vllm.__file__).parents[1])
     assert kernels, "no MiniMax M3 Triton kernels found in the vLLM tree"
     compiled = speculative_run.compiled_after_ready(log, kernels)
     print(f"compiled after ready: {json.dumps(compiled)}")

@@ -11,8 +11,9 @@ directory of `<run>.json`; GPU runs, checked here on any machine):
   prompt logprobs as they are, so they are held to the same bound against ``triton-graphs``.
 
 After the engine is ready, nothing of the series compiles: no FlashInfer program is built, and
-vLLM's JIT monitor sees no kernel compiled but vLLM's own sampler kernel
-(`STOCK_KERNELS_COMPILED_AFTER_READY`).
+vLLM's JIT monitor sees no kernel compiled, vLLM's own sampler kernel included where the run
+says its vLLM warms it (``logprobs_kernel_warmed``, patch 0009; the runs saved before it may
+show that one, `STOCK_KERNELS_COMPILED_AFTER_READY`).
 
 Bound (derived beside `SPARSE_ATTEND_RATIO_BOUND` in
 `vllm_minimax.testing.engine_runs`): the two attends on one fp8 cache may differ

@@ -14,7 +14,8 @@ so a layer that falls back to Triton fails the check of a FlashInfer run:
   ``auto``. The pages interleave the heads, FlashInfer's prefill cannot read them, and every
   sparse layer attends with vLLM's Triton kernels (one log line says why); their decode kernels
   are built by the warm-up, so vLLM's JIT monitor sees none of them compiled after the engine
-  is ready (only vLLM's own sampler kernel, `STOCK_KERNELS_COMPILED_AFTER_READY`);
+  is ready (nor vLLM's own sampler kernel, but in runs saved before patch 0009 warmed it,
+  `STOCK_KERNELS_COMPILED_AFTER_READY`);
 - ``gqa2-nhd-flashinfer-graphs``: NHD with the attend forced to FlashInfer: the engine does not
   start, and its error names the option, the layout and the fix;
 - ``gqa2-triton-bf16-graphs``: the control, Triton on a bf16 KV cache.

@@ -100,6 +100,7 @@ BUILD_LINES = ("Building JIT module", "Compiling CuTe-DSL kernel")
 WARMUP_LINES = (
     "MiniMax M3 FlashInfer indexer warm-up:",
     "MiniMax M3 sparse decode attention warm-up:",
+    "Logprobs kernel warm-up:",
 )
 MONITOR_LINE = "during inference:"
 

@@ -13,9 +13,12 @@ The workload runs each shape three times with fresh random tokens: the first
 run is what a new geometry costs after ready, the other two its steady state.
 Shapes: prefills of 1k to max_num_batched_tokens tokens, prompts of 2k to 30k
 tokens (chunked), prompts of a few tokens, decode batches of 1 to 64 requests,
-a mixed batch (decodes beside a long prompt's chunks) and prefix-cache hits
-(a long cached prefix, then a few hundred or a single new token). ``--workload quick``
-runs a few of them and ``--workload none`` none (a start-up time only).
+a mixed batch (decodes beside a long prompt's chunks), prefix-cache hits
+(a long cached prefix, then a few hundred or a single new token) and logprobs
+requests (one at a time, each asking for a number of sampled and prompt logprobs
+of another launch class of vLLM's logprobs kernel, 0 to vLLM's default
+max_logprobs of 20). ``--workload quick`` runs a few of them and ``--workload
+none`` none (a start-up time only).
 
 ``--no-jit-warmup`` starts with ``kernel_config.enable_jit_warmup=False`` (vLLM
 then leaves its JIT monitor off too). A shape that fails (the JIT monitor in
@@ -66,9 +69,17 @@ PREFIX_HITS: dict[str, tuple[int, int]] = {
     "prefix-16k-plus-200": (16384, 200),
     "prefix-16k-plus-1": (16384, 1),
 }
+# name: the logprobs (sampled and prompt alike) of each request, sent one after another on
+# a prompt of LOGPROBS_PROMPT tokens. 1 + the number is the count of token ids vLLM's
+# `_topk_log_softmax_kernel` scores a row; these fall in its seven launch classes up to
+# max_logprobs=20 (1, 2, 3-4, 5-8, 9-15, 16 and 17-21 ids), five of which no warm-up of stock
+# vLLM runs (patch 0009's does).
+LOGPROB_SHAPES: dict[str, tuple[int, ...]] = {"logprobs-0-to-20": (0, 1, 2, 4, 8, 15, 16, 20)}
+LOGPROBS_PROMPT = 100
 REPEATS = 3
 QUICK_SHAPES = ("prefill-1k", "prompt-100", "decode-33", "mixed-8-decodes-12k")
 QUICK_PREFIX_HITS = ("prefix-16k-plus-200",)
+QUICK_LOGPROB_SHAPES = ("logprobs-0-to-20",)
 CACHE_ENV = ("FLASHINFER_WORKSPACE_BASE", "TRITON_CACHE_DIR", "VLLM_CACHE_ROOT")
 
 
@@ -129,9 +140,18 @@ def run(args: argparse.Namespace, result: dict) -> None:
     def tokens(n: int) -> list[int]:
         return torch.randint(FIRST_TOKEN_ID, vocab, (n,), generator=generator).tolist()
 
-    def timed(prompts: list[list[int]], new_tokens: list[int]) -> float:
+    def timed(
+        prompts: list[list[int]], new_tokens: list[int], logprobs: int | None = None
+    ) -> float:
         params = [
-            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in new_tokens
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=n,
+                ignore_eos=True,
+                logprobs=logprobs,
+                prompt_logprobs=logprobs,
+            )
+            for n in new_tokens
         ]
         began = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -181,6 +201,21 @@ def run(args: argparse.Namespace, result: dict) -> None:
                 prefix = tokens(prefix_len)
                 timed([prefix], [1])  # caches the prefix (a context-16k shape)
                 seconds.append(timed([prefix + tokens(extra)], [1]))
+            except Exception as exc:
+                shapes[name] = failed(name, exc)
+                break
+        else:
+            shapes[name] = {"seconds": [round(s, 4) for s in seconds]}
+        write_result(args.out, result)
+    for name, counts in LOGPROB_SHAPES.items():
+        if args.workload == "none" or (
+            args.workload == "quick" and name not in QUICK_LOGPROB_SHAPES
+        ):
+            continue
+        seconds = []
+        for _ in range(REPEATS):
+            try:
+                seconds.append(sum(timed([tokens(LOGPROBS_PROMPT)], [4], k) for k in counts))
             except Exception as exc:
                 shapes[name] = failed(name, exc)
                 break

@@ -41,11 +41,15 @@ FORCED_FLASHINFER_NOT_DENSE = (
     "LBNHC",
     "VLLM_KV_CACHE_LAYOUT=LBHNC",
 )
-# vLLM 0.34.0's sampler computes the logprobs a request asks for with a Triton kernel
-# (vllm/v1/worker/gpu/sample/logprob.py) that its own warm-up never runs, so the first request
-# asking for logprobs compiles it, with or without this series. Every other kernel compiled
+# Stock vLLM 0.34.0's sampler computes the logprobs a request asks for with a Triton kernel
+# (vllm/v1/worker/gpu/sample/logprob.py) whose launch classes its warm-ups reach only in part, so
+# the first request asking for another number of logprobs compiles it after ready. Patch 0009
+# warms every class; only a run on a series without it (a record without
+# ``logprobs_kernel_warmed``, as those saved before it) may show it. Every other kernel compiled
 # after the engine was ready is a warm-up this series (or its test) misses.
 STOCK_KERNELS_COMPILED_AFTER_READY = frozenset({"_topk_log_softmax_kernel"})
+# The function patch 0009 adds beside that kernel, by which a vLLM tree shows it warms it.
+_LOGPROBS_WARMUP = re.compile(r"^def warmup_token_logprobs\(", re.MULTILINE)
 # How vLLM's JIT monitor (vllm/utils/jit_monitor.py) words a compilation after ready: the
 # backend and the event, then the kernel's name, then an optional "(detail)".
 _JIT_EVENT = re.compile(r"(?P<event>[^\]\s][^\]\n]*?) during inference: (?P<kernel>[^\s(]+?)[ .(]")
@@ -205,12 +209,23 @@ def recording_jit_events() -> Iterator[list[dict[str, str]]]:
         logger.removeHandler(recorder)
 
 
+def logprobs_kernel_warmed(vllm_root: Path) -> bool:
+    """Whether the vLLM tree under ``vllm_root`` warms its sampler's logprobs kernel before
+    ready (patch 0009 applied), read off ``vllm/v1/worker/gpu/sample/logprob.py``."""
+    path = Path(vllm_root) / "vllm" / "v1" / "worker" / "gpu" / "sample" / "logprob.py"
+    return path.exists() and _LOGPROBS_WARMUP.search(path.read_text(errors="replace")) is not None
+
+
 def series_kernels_compiled_after_ready(run: dict[str, Any]) -> list[str]:
-    """The kernels a run saw compiled after ready (``jit_compiled_after_ready``) beyond
-    `STOCK_KERNELS_COMPILED_AFTER_READY`; a run without the record fails."""
+    """The kernels a run saw compiled after ready (``jit_compiled_after_ready``), less
+    `STOCK_KERNELS_COMPILED_AFTER_READY` for a run whose record does not say its vLLM warmed
+    them (``logprobs_kernel_warmed``); a run without the record fails."""
     assert "jit_compiled_after_ready" in run, "the run recorded no JIT monitor events"
+    allowed = (
+        frozenset() if run.get("logprobs_kernel_warmed") else STOCK_KERNELS_COMPILED_AFTER_READY
+    )
     return [
         event["kernel"]
         for event in run["jit_compiled_after_ready"]
-        if event["kernel"] not in STOCK_KERNELS_COMPILED_AFTER_READY
+        if event["kernel"] not in allowed
     ]

@@ -12,8 +12,9 @@ server: the draft's attention backend in the log, vLLM's spec-decode counters fr
 - Compiled after ready: FlashInfer's build lines (``Building JIT module``, ``Compiling CuTe-DSL
   kernel``) and vLLM's JIT monitor warnings (`engine_runs.jit_events_in`) in the log past the
   offset the server had reached when it answered ``/health``. The series' kernels are
-  FlashInfer's programs and MiniMax M3's own Triton kernels (the ``@triton.jit`` functions of
-  ``vllm/models/minimax_m3``); other kernels compiled after ready are reported, not counted.
+  FlashInfer's programs, MiniMax M3's own Triton kernels (the ``@triton.jit`` functions of
+  ``vllm/models/minimax_m3``) and, where patch 0009 warms it, vLLM's sampler logprobs kernel;
+  other kernels compiled after ready are reported, not counted.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from vllm_minimax.testing.engine_runs import STOCK_KERNELS_COMPILED_AFTER_READY, jit_events_in
+from vllm_minimax.testing.engine_runs import (
+    STOCK_KERNELS_COMPILED_AFTER_READY,
+    jit_events_in,
+    logprobs_kernel_warmed,
+)
 
 SPEC_COUNTERS = (
     "vllm:spec_decode_num_drafts",
@@ -92,6 +97,16 @@ def m3_triton_kernels(vllm_root: Path) -> set[str]:
     names: set[str] = set()
     for path in sorted((Path(vllm_root) / "vllm" / "models" / "minimax_m3").rglob("*.py")):
         names.update(m["name"] for m in _TRITON_KERNEL.finditer(path.read_text(errors="replace")))
+    return names
+
+
+def series_triton_kernels(vllm_root: Path) -> set[str]:
+    """The Triton kernels the series warms in the tree under ``vllm_root``: MiniMax M3's own
+    (`m3_triton_kernels`) and, where patch 0009 is applied (`logprobs_kernel_warmed`), vLLM's
+    sampler logprobs kernel."""
+    names = m3_triton_kernels(vllm_root)
+    if logprobs_kernel_warmed(vllm_root):
+        names |= STOCK_KERNELS_COMPILED_AFTER_READY
     return names
 
 
