@@ -179,49 +179,41 @@ def run(args: argparse.Namespace, result: dict) -> None:
 
     shapes: dict[str, dict] = {}
     result["shapes"] = shapes
+
+    def run_shape(name: str, quick: tuple[str, ...], once) -> None:
+        """REPEATS runs of ``once`` (seconds each) as shape ``name``, or its failure."""
+        if args.workload == "none" or (args.workload == "quick" and name not in quick):
+            return
+        seconds = []
+        for _ in range(REPEATS):
+            try:
+                seconds.append(once())
+            except Exception as exc:
+                shapes[name] = failed(name, exc)
+                break
+        else:
+            shapes[name] = {"seconds": [round(s, 4) for s in seconds]}
+        write_result(args.out, result)
+
+    def prefix_hit(prefix_len: int, extra: int) -> float:
+        prefix = tokens(prefix_len)
+        timed([prefix], [1])  # caches the prefix (a context-16k shape)
+        return timed([prefix + tokens(extra)], [1])
+
     for name, spec in SHAPES.items():
-        if args.workload == "none" or (args.workload == "quick" and name not in QUICK_SHAPES):
-            continue
-        seconds = []
-        for _ in range(REPEATS):
-            try:
-                seconds.append(timed([tokens(n) for n, _ in spec], [m for _, m in spec]))
-            except Exception as exc:
-                shapes[name] = failed(name, exc)
-                break
-        else:
-            shapes[name] = {"seconds": [round(s, 4) for s in seconds]}
-        write_result(args.out, result)
+        run_shape(
+            name,
+            QUICK_SHAPES,
+            lambda spec=spec: timed([tokens(n) for n, _ in spec], [m for _, m in spec]),
+        )
     for name, (prefix_len, extra) in PREFIX_HITS.items():
-        if args.workload == "none" or (args.workload == "quick" and name not in QUICK_PREFIX_HITS):
-            continue
-        seconds = []
-        for _ in range(REPEATS):
-            try:
-                prefix = tokens(prefix_len)
-                timed([prefix], [1])  # caches the prefix (a context-16k shape)
-                seconds.append(timed([prefix + tokens(extra)], [1]))
-            except Exception as exc:
-                shapes[name] = failed(name, exc)
-                break
-        else:
-            shapes[name] = {"seconds": [round(s, 4) for s in seconds]}
-        write_result(args.out, result)
+        run_shape(name, QUICK_PREFIX_HITS, lambda p=prefix_len, e=extra: prefix_hit(p, e))
     for name, counts in LOGPROB_SHAPES.items():
-        if args.workload == "none" or (
-            args.workload == "quick" and name not in QUICK_LOGPROB_SHAPES
-        ):
-            continue
-        seconds = []
-        for _ in range(REPEATS):
-            try:
-                seconds.append(sum(timed([tokens(LOGPROBS_PROMPT)], [4], k) for k in counts))
-            except Exception as exc:
-                shapes[name] = failed(name, exc)
-                break
-        else:
-            shapes[name] = {"seconds": [round(s, 4) for s in seconds]}
-        write_result(args.out, result)
+        run_shape(
+            name,
+            QUICK_LOGPROB_SHAPES,
+            lambda counts=counts: sum(timed([tokens(LOGPROBS_PROMPT)], [4], k) for k in counts),
+        )
 
 
 def mark_compiles(builds: list[dict]) -> list[dict]:

@@ -18,19 +18,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-import inspect
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import triton
 import triton.language
-from triton.backends.compiler import BaseBackend
-from triton.runtime.jit import JITFunction, create_function_from_signature
+from triton.runtime.jit import JITFunction
+from triton_launch_keys import compile_key, kernel_from_module
 from vllm import _custom_ops
 from vllm.model_executor.layers.fused_moe import fused_moe
 from vllm.model_executor.layers.fused_moe import triton_moe_warmup as warmup
@@ -51,27 +49,13 @@ GEOMETRIES = {"tiny": (4, 2, 256, 256), "m3-tp8-rank": (128, 4, 6144, 384)}
 MAX_TOKENS = 8192
 
 
-def _compile_key(jit_fn: JITFunction, args: tuple, kwargs: dict) -> str:
-    binder = create_function_from_signature(jit_fn.signature, jit_fn.params, BaseBackend)
-    _, specialization, options = binder(*args, **kwargs)
-    return repr((specialization, sorted(options.items())))
-
-
 @functools.cache
 def _triton_kernel() -> JITFunction:
-    """`fused_moe_kernel` as a real Triton object. vLLM gives a CPU-only host a placeholder
-    ``triton``, so the module's own source runs again with Triton's decorators."""
-    path = inspect.getsourcefile(fused_moe)
-    source = Path(path).read_text()
-    stock_import = "from vllm.triton_utils import tl, triton\n"
-    assert stock_import in source
-    source = source.replace(stock_import, "import triton; import triton.language as tl\n")
-    source = source.replace("\ndirect_register_custom_op(", "\n_skip_register = dict(")
-    namespace: dict = {"__name__": "fused_moe_with_triton"}
-    exec(compile(source, path, "exec"), namespace)
-    kernel = namespace["fused_moe_kernel"]
-    assert isinstance(kernel, JITFunction)
-    return kernel
+    return kernel_from_module(
+        fused_moe,
+        "fused_moe_kernel",
+        (("\ndirect_register_custom_op(", "\n_skip_register = dict("),),
+    )
 
 
 @contextmanager
@@ -82,7 +66,7 @@ def _recorded_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[str]]:
     class Recorder:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                keys.add(_compile_key(kernel, args, kwargs))
+                keys.add(compile_key(kernel, args, kwargs))
 
             return launch
 

@@ -21,10 +21,8 @@ must be equal, and `GPUModelRunner._dummy_sampler_run` must call the warm-up wit
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -32,8 +30,8 @@ import pytest
 import torch
 import triton
 import triton.language
-from triton.backends.compiler import BaseBackend
-from triton.runtime.jit import JITFunction, create_function_from_signature
+from triton.runtime.jit import JITFunction
+from triton_launch_keys import compile_key, kernel_from_module
 from vllm.v1.worker.gpu.sample import logprob, prompt_logprob
 from vllm.v1.worker.gpu.sample.sampler import Sampler
 
@@ -47,29 +45,8 @@ LAYOUTS = {
 
 
 @functools.cache
-def _binder(jit_fn: JITFunction):
-    return create_function_from_signature(jit_fn.signature, jit_fn.params, BaseBackend)
-
-
-def _compile_key(jit_fn: JITFunction, args: tuple, kwargs: dict) -> str:
-    _, specialization, options = _binder(jit_fn)(*args, **kwargs)
-    return repr((specialization, sorted(options.items())))
-
-
-@functools.cache
 def _triton_kernel() -> JITFunction:
-    """`_topk_log_softmax_kernel` as a real Triton object. vLLM gives a CPU-only host a
-    placeholder ``triton``, so the module's own source runs again with Triton's decorators."""
-    path = inspect.getsourcefile(logprob)
-    source = Path(path).read_text()
-    stock_import = "from vllm.triton_utils import tl, triton\n"
-    assert stock_import in source
-    source = source.replace(stock_import, "import triton; import triton.language as tl\n")
-    namespace: dict = {"__name__": "logprob_with_triton"}
-    exec(compile(source, path, "exec"), namespace)
-    kernel = namespace["_topk_log_softmax_kernel"]
-    assert isinstance(kernel, JITFunction)
-    return kernel
+    return kernel_from_module(logprob, "_topk_log_softmax_kernel")
 
 
 @contextmanager
@@ -82,7 +59,7 @@ def _recorded_launches(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[str]]:
         def __getitem__(self, grid):
             def launch(out, logits, logits_stride, ids, ids_stride, topk, vocab, **constexprs):
                 keys.add(
-                    _compile_key(
+                    compile_key(
                         kernel,
                         (out, logits, logits_stride, ids, ids_stride, topk, vocab),
                         constexprs,
