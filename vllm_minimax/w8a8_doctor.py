@@ -7,9 +7,8 @@ importing vLLM or torch:
 
 - the GPU (or ``--capability``): patch 0008 refuses below SM89, where there are no FP8 tensor
   cores (``require_fp8_tensor_cores``);
-- the series state doctor already read: the applied series carries the patch that creates
-  :data:`REQUANTIZATION_FILE` (the power-of-two requantization), and that file is as the
-  series left it;
+- the series state doctor already read: the series is cleanly applied and carries the patch
+  that creates :data:`REQUANTIZATION_FILE` (the power-of-two requantization);
 - ``moe-backend: humming``, which patch 0008 refuses for the requantized MoE (W8A16 again);
 - with ``--model``, the checkpoint's quantization as vLLM 0.34.0 reads it (``config.json``'s
   ``quantization_config``, else ``hf_quant_config.json``, else the text config's): MXFP8 is
@@ -121,10 +120,12 @@ def requantization_patch(state: patchset.SeriesState) -> str | None:
 
 
 def series_finding(state: patchset.SeriesState) -> tuple[Outcome, str]:
+    """Clean is this version's current series applied with every file it touched as it left
+    them, so a patch of that series creating the file means the file is there, as-applied."""
     if not state.clean:
         return Outcome.CANNOT_CHECK, "the series is not cleanly applied"
     patch = requantization_patch(state)
-    if patch is not None and (REQUANTIZATION_FILE, "as-applied") in state.files:
+    if patch is not None:
         return Outcome.RUNS, f"the applied series carries {patch.split('-', 1)[0]}"
     return (
         Outcome.REFUSED,

@@ -40,9 +40,11 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name in ("mxfp8", "bf16", "no-config")}
 
 
-def applied_state(files: list[tuple[str, str]] | None = None, series_dir: Path = REAL_SERIES_DIR):
-    if files is None:
-        files = [("vllm/config/attention.py", "as-applied"), (REQUANTIZATION_FILE, "as-applied")]
+def applied_state(series_dir: Path = REAL_SERIES_DIR) -> patchset.SeriesState:
+    """A clean state of the series in ``series_dir``: every file it touches as applied."""
+    files = [
+        (path, "as-applied") for path in patchset.touched_paths(patchset.read_series(series_dir))
+    ]
     return patchset.SeriesState(
         Path("/x"), "0.34.0", series_dir, True, files, recorded_series="vllm-0.34.0"
     )
@@ -220,7 +222,7 @@ def test_a_series_without_the_requantization_is_refused(
     for path in kept:
         shutil.copy2(path, series / path.name)
     (series / "series").write_text("".join(f"{path.name}\n" for path in kept))
-    machine(applied_state([("vllm/config/attention.py", "as-applied")], series))
+    machine(applied_state(series))
     config = serve_config(tmp_path)
     argv = ("--config", str(config), "--capability", "9.0", "--model", str(checkpoints["mxfp8"]))
     code, out, [row] = run_doctor(capsys, *argv)
