@@ -126,7 +126,7 @@ def series_finding(state: patchset.SeriesState) -> tuple[Outcome, str]:
         return Outcome.CANNOT_CHECK, "the series is not cleanly applied"
     patch = requantization_patch(state)
     if patch is not None:
-        return Outcome.RUNS, f"the applied series carries {patch.split('-', 1)[0]}"
+        return Outcome.RUNS, f"the applied series carries patch {patch.split('-', 1)[0]}"
     return (
         Outcome.REFUSED,
         f"the series applied to {state.target} ({state.recorded_series}) has no patch"

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from patchset_helpers import REAL_SERIES_DIR
+from patchset_helpers import REAL_PATCHES_ROOT, REAL_SERIES_DIR
 
 from vllm_minimax import cli, doctor, patchset, selection, w8a8_doctor
 from vllm_minimax.w8a8_doctor import REQUANTIZATION_FILE, Outcome
@@ -91,7 +91,7 @@ def test_mxfp8_checkpoint_on_sm90_runs(machine, checkpoints, tmp_path, capsys) -
     [row] = rows
     assert row.startswith("W8A8:         runs: quantization-config linear=fp8_per_channel,")
     assert "(SM 9.0) has FP8 tensor cores" in row
-    assert "carries 0008" in row
+    assert "carries patch 0008" in row
     assert f"{checkpoints['mxfp8']} declares MXFP8" in row
 
 
@@ -238,10 +238,17 @@ def test_the_real_series_applied_carries_the_requantization(small_target: Path) 
     assert cli.main(["apply", "--target", str(small_target)]) == 0
     after = patchset.series_state(small_target)
     outcome, text = w8a8_doctor.series_finding(after)
-    assert outcome is Outcome.RUNS and "carries 0008" in text, text
+    assert outcome is Outcome.RUNS and "carries patch 0008" in text, text
     (small_target / REQUANTIZATION_FILE).write_text("# edited\n")
     edited = patchset.series_state(small_target)
     assert w8a8_doctor.series_finding(edited)[0] is Outcome.CANNOT_CHECK
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.33.0"])
+def test_each_release_series_carries_the_requantization(version: str) -> None:
+    state = applied_state(REAL_PATCHES_ROOT / f"vllm-{version}")
+    assert (w8a8_doctor.requantization_patch(state) or "").startswith("0008-")
+    assert w8a8_doctor.series_finding(state)[0] is Outcome.RUNS
 
 
 def uncommented_w8a8_block(path: Path) -> str:
