@@ -54,15 +54,17 @@ EXIT_CODES = f"""exit status:
   {EXIT_USAGE}  bad usage: an unknown option, or a config that cannot be found or read
   {EXIT_FALLBACK}  will fall back to Triton: the indexer left at auto gets Triton, or the sparse
      attention left at auto gets Triton with an fp8 KV cache (the line says why and which
-     key or flag changes it, or that none does on this GPU)
+     key or flag changes it, or that none does on this GPU); or (--model) the config's
+     quantization-config W8A8 key has no effect: over a bf16 checkpoint vLLM ignores it and
+     serves bf16
   {EXIT_CANNOT_CHECK}  cannot check here: no GPU and no --capability (pass --capability 9.0, say)
   {EXIT_FAILS}  will not start as configured: vLLM refuses the config or a forced backend, or
      the vLLM tree fails to import, or (--model) the checkpoint lacks the speculative draft's
      weights (an unquantized one stops vLLM at load; a quantized checkpoint or an EAGLE3
      draft starts with them unset), or the config's quantization-config W8A8
      requantization (fp8_per_channel) cannot run: below SM 8.9, a series without patch
-     0008, moe-backend humming, or (--model) a checkpoint that is not MXFP8 (vLLM ignores
-     the key over a bf16 one, and stops at load over most other formats)
+     0008, moe-backend humming, or (--model) a quantized checkpoint that is not MXFP8
+     (patch 0008 stops the load over most other formats)
   With --model, a checkpoint whose weight index (or, for the W8A8 row, config.json) is
   not here turns exit 0 into exit {EXIT_CANNOT_CHECK}"""
 
@@ -254,7 +256,8 @@ def with_w8a8(
     real_capability: tuple[int, int] | None,
 ) -> tuple[int, str]:
     """The W8A8 row printed, and the exit status once it is counted, as the checkpoint
-    row's: a requantization that cannot run is exit 5; one not checked turns 0 into 4."""
+    row's: a requantization that cannot run is exit 5, a key the engine ignores 3; one not
+    checked turns 0 into 4."""
     if request is None:
         return code, text
     simulated = args.capability is not None
@@ -263,6 +266,8 @@ def with_w8a8(
     print(f"W8A8:         {row.outcome.value}: {row.text}")
     if row.stops_serve and code in (EXIT_READY, EXIT_FALLBACK, EXIT_CANNOT_CHECK):
         return EXIT_FAILS, "quantization-config's W8A8 requantization cannot run (see above)"
+    if row.falls_back and code in (EXIT_READY, EXIT_CANNOT_CHECK):
+        return EXIT_FALLBACK, "starts, but serves without the W8A8 requantization (see above)"
     if row.outcome is w8a8_doctor.Outcome.CANNOT_CHECK and code == EXIT_READY:
         return EXIT_CANNOT_CHECK, "runs as configured, but the W8A8 row was not checked"
     return code, text

@@ -21,8 +21,9 @@ importing vLLM or torch:
   ``dequantize_weight``, so patch 0008 stops the load naming the key. No ``config.json`` is
   "cannot check", never a pass.
 
-A refusal is doctor's exit 5 (the engine stops, or serves without the W8A8 it was asked for);
-"cannot check" turns a ready exit 0 into 4, as the checkpoint row does.
+A refusal is doctor's exit 5 (the engine stops); a key the engine ignores (a bf16 checkpoint: it
+starts and serves bf16) is exit 3, a fall-back; "cannot check" turns a ready exit 0 into 4, as
+the checkpoint row does.
 """
 
 from __future__ import annotations
@@ -53,12 +54,13 @@ W8A16_MOE_BACKEND = "humming"
 class Outcome(enum.Enum):
     RUNS = "runs"
     REFUSED = "will not run"
+    IGNORED = "has no effect"
     CANNOT_CHECK = "cannot check"
     NOT_CHECKED = "not the W8A8 requantization"
 
 
 # Worst first: the row's outcome is its worst finding's.
-SEVERITY = (Outcome.REFUSED, Outcome.CANNOT_CHECK, Outcome.RUNS)
+SEVERITY = (Outcome.REFUSED, Outcome.IGNORED, Outcome.CANNOT_CHECK, Outcome.RUNS)
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,13 @@ class W8A8Row:
 
     @property
     def stops_serve(self) -> bool:
-        """The engine stops at load, or serves without the W8A8 asked for: exit 5."""
+        """The engine stops at load: exit 5."""
         return self.outcome is Outcome.REFUSED
+
+    @property
+    def falls_back(self) -> bool:
+        """The engine starts and serves without the W8A8 asked for: exit 3."""
+        return self.outcome is Outcome.IGNORED
 
 
 def request_of(options: dict[str, Any], path: Path) -> Request | None:
@@ -200,7 +207,7 @@ def checkpoint_finding(model: str) -> tuple[Outcome, str]:
         return Outcome.RUNS, f"{directory} declares MXFP8{note}"
     if quantization is None:
         return (
-            Outcome.REFUSED,
+            Outcome.IGNORED,
             f"{config_file} declares no quantization (bf16): vLLM reads quantization-config"
             " only over a checkpoint's quantization method, so the key is ignored and the"
             " engine serves bf16, not W8A8; serve the MXFP8 checkpoint or drop the key",
