@@ -297,7 +297,8 @@ def add_doctor_parser(commands: Any) -> None:
         metavar="PATH_OR_ID",
         help="the checkpoint vllm serve is given: doctor reads its weight index (a directory,"
         " or the local Hugging Face cache; nothing is downloaded) for the config's speculative"
-        " draft weights",
+        " draft weights, and its config.json for MXFP8 when the config asks quantization-config"
+        " for the W8A8 requantization",
     )
     doctor_parser.add_argument(
         "--capability",

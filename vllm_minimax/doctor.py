@@ -22,7 +22,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from vllm_minimax import checkpoint_weights, cuda_bindings, doctor_cache, patchset
+from vllm_minimax import checkpoint_weights, cuda_bindings, doctor_cache, patchset, w8a8_doctor
 from vllm_minimax.serve_config import (
     ServeConfig,
     ServeConfigError,
@@ -54,14 +54,19 @@ EXIT_CODES = f"""exit status:
   {EXIT_USAGE}  bad usage: an unknown option, or a config that cannot be found or read
   {EXIT_FALLBACK}  will fall back to Triton: the indexer left at auto gets Triton, or the sparse
      attention left at auto gets Triton with an fp8 KV cache (the line says why and which
-     key or flag changes it, or that none does on this GPU)
+     key or flag changes it, or that none does on this GPU); or (--model) the config's
+     quantization-config W8A8 key has no effect: over a bf16 checkpoint vLLM ignores it and
+     serves bf16
   {EXIT_CANNOT_CHECK}  cannot check here: no GPU and no --capability (pass --capability 9.0, say)
   {EXIT_FAILS}  will not start as configured: vLLM refuses the config or a forced backend, or
      the vLLM tree fails to import, or (--model) the checkpoint lacks the speculative draft's
      weights (an unquantized one stops vLLM at load; a quantized checkpoint or an EAGLE3
-     draft starts with them unset)
-  With --model, a checkpoint whose weight index is not here turns exit 0 into
-  exit {EXIT_CANNOT_CHECK}"""
+     draft starts with them unset), or the config's quantization-config W8A8
+     requantization (fp8_per_channel) cannot run: below SM 8.9, a series without patch
+     0008, moe-backend humming, or (--model) a quantized checkpoint that is not MXFP8
+     (patch 0008 stops the load over most other formats)
+  With --model, a checkpoint whose weight index (or, for the W8A8 row, config.json) is
+  not here turns exit 0 into exit {EXIT_CANNOT_CHECK}"""
 
 
 class Captured:
@@ -211,6 +216,7 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     try:
         checkpoint = checkpoint_row(args)
+        w8a8 = w8a8_request(args)
     except (ServeConfigError, ValueError) as error:
         print(f"vllm-minimax: error: {error}", file=sys.stderr)
         return EXIT_USAGE
@@ -218,7 +224,7 @@ def main(args: argparse.Namespace) -> int:
     print("\n".join(status_lines(state, args.verbose)))
     logs: list[str] = []
     try:
-        return report(args, config, state, logs, checkpoint)
+        return report(args, config, state, logs, checkpoint, w8a8)
     finally:
         if args.verbose and any(logs):
             print("--- what torch, FlashInfer and vLLM printed ---", file=sys.stderr)
@@ -232,6 +238,39 @@ def checkpoint_row(args: argparse.Namespace) -> checkpoint_weights.CheckpointRow
     options = {} if args.config is None else read_serve_options(args.config)
     speculative = checkpoint_weights.speculative_options(options)
     return checkpoint_weights.check(speculative, args.model)
+
+
+def w8a8_request(args: argparse.Namespace) -> w8a8_doctor.Request | None:
+    """The config's W8A8 requantization request (None: it sets no quantization-config)."""
+    if args.config is None:
+        return None
+    return w8a8_doctor.request_of(read_serve_options(args.config), args.config)
+
+
+def with_w8a8(
+    code: int,
+    text: str,
+    request: w8a8_doctor.Request | None,
+    args: argparse.Namespace,
+    state: patchset.SeriesState,
+    real_capability: tuple[int, int] | None,
+) -> tuple[int, str]:
+    """The W8A8 row printed, and the exit status once it is counted, as the checkpoint
+    row's: a requantization that cannot run is exit 5, a key the engine ignores 3; one not
+    checked turns 0 into 4."""
+    if request is None:
+        return code, text
+    simulated = args.capability is not None
+    capability = args.capability if simulated else real_capability
+    row = w8a8_doctor.row(request, capability, simulated, state, getattr(args, "model", None))
+    print(f"W8A8:         {row.outcome.value}: {row.text}")
+    if row.stops_serve and code in (EXIT_READY, EXIT_FALLBACK, EXIT_CANNOT_CHECK):
+        return EXIT_FAILS, "quantization-config's W8A8 requantization cannot run (see above)"
+    if row.falls_back and code in (EXIT_READY, EXIT_CANNOT_CHECK):
+        return EXIT_FALLBACK, "starts, but serves without the W8A8 requantization (see above)"
+    if row.outcome is w8a8_doctor.Outcome.CANNOT_CHECK and code == EXIT_READY:
+        return EXIT_CANNOT_CHECK, "runs as configured, but the W8A8 row was not checked"
+    return code, text
 
 
 def with_checkpoint(
@@ -255,6 +294,7 @@ def report(
     state: patchset.SeriesState,
     logs: list[str],
     checkpoint: checkpoint_weights.CheckpointRow | None = None,
+    w8a8: w8a8_doctor.Request | None = None,
 ) -> int:
     with captured_output() as captured:
         gpu, real_capability = gpu_line()
@@ -271,6 +311,7 @@ def report(
     print("\n".join([*cuda_bindings_lines(problem), *describe_config(config)]))
     code, text = verdict(args, config, state, real_capability, store, logs)
     code, text = with_checkpoint(code, text, checkpoint)
+    code, text = with_w8a8(code, text, w8a8, args, state, real_capability)
     if store is not None and store.used:
         print(
             f"stored:       answers above found {min(store.used)} in this same environment,"
