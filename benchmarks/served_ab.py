@@ -466,16 +466,26 @@ PLAN: dict[str, dict[str, Any]] = {
 }
 
 
-def plan(gpu: str, slice_name: str, arms: int, rounds: int = ROUNDS) -> dict[str, Any]:
+def plan(
+    gpu: str,
+    slice_name: str,
+    arms: int,
+    rounds: int = ROUNDS,
+    points: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """The device seconds of one sitting: every arm's start, then each point's warm-up and
-    ``rounds`` rounds, then its stop."""
+    ``rounds`` rounds, then its stop; at ``points`` only (default: every point of ``gpu``)."""
     if arms < 2:
         raise ValueError(f"an A/B needs at least two arms, got {arms}")
     table = PLAN[slice_name]
+    chosen = POINTS[gpu] if points is None else tuple(points)
+    unknown = [point for point in chosen if point not in POINTS[gpu]]
+    if unknown:
+        raise ValueError(f"no point {', '.join(unknown)} on {gpu} ({', '.join(POINTS[gpu])})")
     per_arm_points = sum(
         warmup + rounds * each
         for point, (warmup, each) in table["points"].items()
-        if point in POINTS[gpu]
+        if point in chosen
     )
     starts_s = table["start_first_s"] + (arms - 1) * table["start_next_s"]
     total = starts_s + arms * (per_arm_points + table["stop_s"])
@@ -531,7 +541,7 @@ def run_summarise(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    estimate = plan(args.gpu, args.slice, args.arms, args.rounds)
+    estimate = plan(args.gpu, args.slice, args.arms, args.rounds, args.points)
     print(
         f"{args.slice} on {args.gpu}, {args.arms} arms x {args.rounds} rounds:"
         f" starts {estimate['starts_s']} s + {args.arms} x {estimate['points_s_per_arm']} s of"
@@ -605,6 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     planner = commands.add_parser("plan", parents=[both])
     planner.add_argument("--arms", type=int, default=3)
     planner.add_argument("--budget-s", type=int)
+    planner.add_argument("--points", nargs="+", help="only these points (default: the card's)")
     planner.set_defaults(handler=run_plan)
     extra = commands.add_parser("fourth-arm")
     extra.add_argument("file", type=Path)

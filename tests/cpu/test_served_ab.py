@@ -226,6 +226,15 @@ def test_the_plan_adds_starts_warm_ups_rounds_and_stops():
     over = served_ab.main(["plan", "--gpu", "h200", "--slice", "mxfp8-ep", "--budget-s", "60"])
     assert over == 1
     assert served_ab.main(["plan", "--gpu", "h200", "--slice", "mxfp8-ep", "--arms", "2"]) == 0
+    three = ["prefill-128k-c1", "prefill-32k-c4", "decode-32k-c8"]
+    some = served_ab.plan("h100", "mxfp8-ep", 2, points=three)
+    assert some["points_s_per_arm"] == sum(
+        table["points"][p][0] + 3 * table["points"][p][1] for p in three
+    )
+    with pytest.raises(ValueError, match="no point decode-32k-c64 on h200"):
+        served_ab.plan("h200", "mxfp8-ep", 2, points=["decode-32k-c64"])
+    argv = ["plan", "--gpu", "h100", "--slice", "mxfp8-ep", "--arms", "2", "--points", *three]
+    assert served_ab.main(argv) == 0
 
 
 # vLLM 0.34.0's start lines, as an MXFP8 EP server logs them (times made up).
