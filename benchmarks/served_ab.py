@@ -4,6 +4,7 @@ and the time plan (docs/served-ab.md).
     python -m benchmarks.served_ab summarise AB_DIR --gpu h200 --slice mxfp8-ep \\
         --commit SHA --device-minutes M --out OUT [--started-before FILE]
     python -m benchmarks.served_ab plan --gpu h200 --slice mxfp8-ep --arms 3 [--budget-s S]
+    python -m benchmarks.served_ab fourth-arm FILE --base NAME=JSON [--name w8a8|humming-a8]
 
 ``summarise`` reads ``AB_DIR/ab.json`` (``vllm-minimax eval ab --server-rounds 3``: one server
 per arm, three rounds of every point on it) and each arm's ``server.log``, and writes to OUT:
@@ -24,6 +25,9 @@ per arm, three rounds of every point on it) and each arm's ``server.log``, and w
 
 It exits 0 when every arm has every round of every point, 1 when some are missing (the files
 are written either way, saying which), 2 for bad input.
+
+``fourth-arm`` prints an extra arm (``--name``, default ``w8a8``) as eval ab's ``--arm`` and
+``--arm-env`` values: FILE's serve arguments over the base arm's, and its ``server-env``.
 
 ``plan`` adds up the device seconds of a sitting from per-slice estimates (starts, each point's
 warm-up and rounds) and says whether it fits ``--budget-s``.
@@ -82,7 +86,7 @@ PROFILE_POINT = {
     "mixed-c16": "mixed",
     "decode-32k-c64": "decode",
 }
-ARM_LETTERS = {STOCK: "e", "bf16": "a", "fp8-flashinfer": "c", "w8a8": "w"}
+ARM_LETTERS = {STOCK: "e", "bf16": "a", "fp8-flashinfer": "c", "w8a8": "w", "humming-a8": "h"}
 
 
 def metric_of(level: Mapping[str, Any], metric: str) -> float | None:
@@ -555,7 +559,10 @@ def run_plan(args: argparse.Namespace) -> int:
 
 # --- the fourth arm --------------------------------------------------------------------------
 
-FOURTH_ARM = "w8a8"
+# The extra arms' names (scripts/gpu-rank-slice: W8A8_ARGS, HUMMING_A8_ARGS); the first is
+# fourth-arm's default.
+EXTRA_ARMS = ("w8a8", "humming-a8")
+FOURTH_ARM = EXTRA_ARMS[0]
 ENV_KEY = "server-env"
 
 
@@ -591,9 +598,9 @@ def run_fourth_arm(args: argparse.Namespace) -> int:
     if not separator:
         raise ValueError(f"--base {args.base!r}: expected NAME=JSON")
     merged, env = fourth_arm(json.loads(raw), extra)
-    print(f"{FOURTH_ARM}={json.dumps(merged)}")
+    print(f"{args.name}={json.dumps(merged)}")
     for key, value in env.items():
-        print(f"{FOURTH_ARM}:{key}={value}")
+        print(f"{args.name}:{key}={value}")
     return 0
 
 
@@ -620,6 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = commands.add_parser("fourth-arm")
     extra.add_argument("file", type=Path)
     extra.add_argument("--base", required=True)
+    extra.add_argument("--name", choices=EXTRA_ARMS, default=FOURTH_ARM)
     extra.set_defaults(handler=run_fourth_arm, rounds=ROUNDS)
     args = parser.parse_args(argv)
     if args.rounds < 1:

@@ -479,6 +479,75 @@ def test_the_script_serves_the_rotated_arms_with_three_rounds_and_the_fourth_arm
     assert refused.returncode == 2 and "no arm nope" in refused.stderr
 
 
+HUMMING_A8_ARM = SCRIPT.parent.parent / "evals" / "mxfp8-humming-a8-arm.yaml"
+
+
+def test_the_humming_a8_arm_runs_beside_w8a8_each_with_its_own_environment(tmp_path):
+    """HUMMING_A8_ARGS=FILE adds the arm humming-a8 after w8a8 (both over (c)'s arguments),
+    each arm's server-env on that arm alone; alone it adds humming-a8 only; named in
+    SERVED_ARMS without its file it is refused."""
+    names = ("fp8kv_arm", "served_points", "served_order", "served_arm", "stock_env",
+             "check_rep", "ab_command", "served_round")  # fmt: skip
+    picks = ";".join(f"/^{name}() {{/,/^}}/p" for name in names)
+    extra = tmp_path / "w.yaml"
+    extra.write_text("quantization-config: {w8a8: true}\nserver-env: {K: V}\n")
+    code = (
+        f"set -uo pipefail; source <(sed -n '{picks};/^SERVED_[A-Z0-9_]*=/p' {SCRIPT}); "
+        "model=/m serve_config=c.yaml routing=R=1 stock=/stock-copy card=h200; "
+        'served_round 2; printf "%s\\n" "${ab_cmd[@]}"'
+    )
+    root = f"{SCRIPT.parent.parent}"
+    done = run_bash(
+        code,
+        PYTHONPATH=root,
+        W8A8_ARGS=str(extra),
+        HUMMING_A8_ARGS=str(HUMMING_A8_ARM),
+        TMPDIR=str(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr
+    argv = done.stdout.splitlines()
+    arms = [ab.parse_arm(argv[i + 1]) for i, word in enumerate(argv) if word == "--arm"]
+    # (c) (e) (a) (w) (h), rotated by one place at REP 2.
+    assert [arm.name for arm in arms] == ["stock", "bf16", "w8a8", "humming-a8", "fp8-flashinfer"]
+    envs = [argv[i + 1] for i, word in enumerate(argv) if word == "--arm-env"]
+    by_name = {arm.name: arm for arm in ab.parse_arm_env(envs, arms)}
+    value = yaml.safe_load(HUMMING_A8_ARM.read_text())["server-env"]
+    assert by_name["humming-a8"].env == value
+    assert by_name["w8a8"].env == {"K": "V"}
+    assert by_name["fp8-flashinfer"].env == {}
+    assert by_name["humming-a8"].server_args == by_name["fp8-flashinfer"].server_args
+    assert by_name["w8a8"].server_args["quantization-config"] == {"w8a8": True}
+    done = run_bash(
+        code, PYTHONPATH=root, HUMMING_A8_ARGS=str(HUMMING_A8_ARM), TMPDIR=str(tmp_path)
+    )
+    argv = done.stdout.splitlines()
+    named = [ab.parse_arm(argv[i + 1]).name for i, word in enumerate(argv) if word == "--arm"]
+    assert named == ["stock", "bf16", "humming-a8", "fp8-flashinfer"]
+    refused = run_bash(code, PYTHONPATH=root, SERVED_ARMS="stock humming-a8", TMPDIR=str(tmp_path))
+    assert refused.returncode == 2
+    assert "the humming-a8 arm needs HUMMING_A8_ARGS=FILE" in refused.stderr
+
+
+def test_the_fourth_arm_takes_the_name_of_the_extra_arm_it_makes(capsys):
+    """``--name humming-a8`` names the arm and its environment lines; a name that is no extra
+    arm is refused; the script's extra arms are these names, each with its own letter."""
+    base = 'fp8-flashinfer={"kv-cache-dtype": "fp8"}'
+    argv = ["fourth-arm", str(HUMMING_A8_ARM), "--base", base]
+    assert served_ab.main([*argv, "--name", "humming-a8"]) == 0
+    arm_line, env_line = capsys.readouterr().out.splitlines()
+    arm = ab.parse_arm(arm_line)
+    assert arm.name == "humming-a8" and arm.server_args == {"kv-cache-dtype": "fp8"}
+    assert env_line.startswith("humming-a8:VLLM_HUMMING_INPUT_QUANT_CONFIG=")
+    with pytest.raises(SystemExit):
+        served_ab.main([*argv, "--name", "nope"])
+    script = SCRIPT.read_text()
+    [table] = [line for line in script.splitlines() if line.startswith("SERVED_EXTRA_ARMS=")]
+    pairs = table.partition("=")[2].strip('"').split()
+    assert tuple(pair.partition(":")[0] for pair in pairs) == served_ab.EXTRA_ARMS
+    assert set(served_ab.EXTRA_ARMS) <= set(served_ab.ARM_LETTERS)
+    assert len(set(served_ab.ARM_LETTERS.values())) == len(served_ab.ARM_LETTERS)
+
+
 def test_served_point_names_keep_the_card_order_and_refuse_a_point_the_card_lacks(tmp_path):
     picks = "/^served_points() {/,/^}/p"
     code = f"set -uo pipefail; source <(sed -n '{picks};/^SERVED_[A-Z0-9_]*=/p' {SCRIPT}); "
