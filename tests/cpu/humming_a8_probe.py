@@ -28,11 +28,8 @@ import inspect
 import json
 import os
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rank_weights_probe import SM90, _sm90_platform, sm90_moe_backends
 
