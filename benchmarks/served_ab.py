@@ -415,6 +415,9 @@ def markdown(
         )
     lines += [
         "",
+        "The phases nest as vLLM logs them: the series' sparse-attention warm-up runs inside"
+        " model loading, its indexer warm-up inside the JIT warm-up.",
+        "",
         "## What this measures and what it does not",
         "",
         "- One server per arm, started once; its three rounds run back to back on it (no two"
