@@ -176,3 +176,44 @@ def test_the_conversion_reads_nothing_back_until_the_log(monkeypatch: pytest.Mon
         current_moe(moe, per_chunk=2)
     assert new.syncs == 0
     assert new.bytes < old.bytes / 2
+
+
+def test_a_padding_moe_backend_is_padded_on_0_34_and_refused_on_0_33(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.34.0's chunk iterator pads each chunk as the backend asks; 0.33.0 has no
+    chunked padding, so the power-of-two path refuses there, naming the key."""
+    import vllm
+
+    monkeypatch.setattr(pow2_requant, "_errors", {})
+    shapes = requant_cost.tiny_shapes(experts=5)
+    layer = requant_cost.make_layer(shapes, "sparse", 6, 8, CPU)
+    assert layer.experts is not None
+    hidden, inter = shapes.hidden, shapes.intermediate
+    module = requant_cost._moe_module(layer.experts, hidden, inter)
+    module.moe_config.hidden_dim = hidden + 32
+    module.moe_config.intermediate_size_per_partition = inter + 64
+    from vllm.model_executor.layers.quantization.online.fp8 import Fp8PtpcOnlineMoEMethod
+
+    method = object.__new__(Fp8PtpcOnlineMoEMethod)
+    method.requantization_source = object.__new__(modelopt.ModelOptMxFp8FusedMoE)
+    method.moe = SimpleNamespace(tp_size=1, w13_num_shards=2)
+    if vllm.__version__.startswith("0.33."):
+        with pytest.raises(ValueError, match=r"quantization_config\.moe=fp8_per_channel.*pads"):
+            method._requantize_power_of_two(module)
+        return
+    w13, w2, s13, s2 = method._requantize_power_of_two(module)
+    assert w13.shape == (5, 2 * (inter + 64), hidden + 32) and w2.shape == (
+        5,
+        hidden + 32,
+        inter + 64,
+    )
+    q13, q2, want13, want2 = v1.requantize_moe(*layer.experts, v1.Record())
+    assert_same_bits(w2[:, :hidden, :inter], q2, "w2's unpadded block")
+    assert_same_bits(s2[:, :hidden], want2, "w2's unpadded scales")
+    for shard in range(2):
+        rows = slice(shard * (inter + 64), shard * (inter + 64) + inter)
+        source = slice(shard * inter, (shard + 1) * inter)
+        assert_same_bits(w13[:, rows, :hidden], q13[:, source], f"w13 shard {shard}")
+        assert_same_bits(s13[:, rows], want13[:, source], f"w13 scales, shard {shard}")
+    assert not w2[:, hidden:].float().any() and not w13[:, :, hidden:].float().any()
