@@ -21,6 +21,7 @@ from patchset_helpers import (
     real_series_paths,
     tree_manifest,
 )
+from probe_host import ProbeHost
 
 from vllm_minimax import doctor_cache
 from vllm_minimax.m3_geometry import rank_text_config
@@ -33,6 +34,14 @@ def doctor_answers_of_this_test(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     a doctor run outside the tests, in an environment the tests monkeypatch, is not one."""
     directory = tmp_path / "doctor-answers"
     monkeypatch.setattr(doctor_cache, "cache_dir", lambda: directory)
+
+
+@pytest.fixture(scope="session")
+def vllm_probe_host() -> Iterator[ProbeHost]:
+    """A Python with torch and vLLM's config imported, which runs each vLLM probe script
+    in a process forked from it (probe_host.py): one import for the session's probes."""
+    with ProbeHost() as host:
+        yield host
 
 
 @pytest.fixture

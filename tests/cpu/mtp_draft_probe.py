@@ -2,9 +2,9 @@
 
     python tests/cpu/mtp_draft_probe.py TINY_DIR [--drop CHECKPOINT_NAME]
 
-Run in a subprocess by test_tiny_model.py (it initialises torch.distributed for
-the process). TINY_DIR is a `make-tiny-model --mtp-modules N` checkpoint; the
-draft is `TINY_DIR/mtp`. What it does, with vLLM's code throughout:
+Run in a process of its own by test_tiny_model.py, forked from probe_host.py (it
+initialises torch.distributed for the process). TINY_DIR is a `make-tiny-model
+--mtp-modules N` checkpoint; the draft is `TINY_DIR/mtp`. What it does, with vLLM's code throughout:
 
 - `SpeculativeConfig(method="mtp", model=TINY_DIR/mtp)` over the target's
   `ModelConfig`, as `LLM(speculative_config=...)` builds it;

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from probe_host import ProbeHost
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REAL_PATCHES_ROOT = REPO_ROOT / "patches"
@@ -19,18 +23,26 @@ REAL_SERIES_DIR = REAL_PATCHES_ROOT / "vllm-0.34.0"
 
 
 def run_json_probe(
-    probe: Path, *arguments: str, timeout: float, env: dict[str, str] | None = None
+    probe: Path,
+    *arguments: str,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    host: ProbeHost | None = None,
 ) -> dict:
-    """Run a probe script in a fresh interpreter; it must exit 0 and print its report as JSON
-    on its last line of standard output."""
-    completed = subprocess.run(
-        [sys.executable, str(probe), *arguments],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
+    """Run a probe script in a fresh interpreter, or in a process forked from ``host``
+    (probe_host.py); it must exit 0 and print its report as JSON on its last line of
+    standard output."""
+    if host is not None:
+        completed = host.run(probe, list(arguments), timeout=timeout, env=env)
+    else:
+        completed = subprocess.run(
+            [sys.executable, str(probe), *arguments],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            check=False,
+        )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(completed.stdout.splitlines()[-1])
 

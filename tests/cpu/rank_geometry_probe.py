@@ -3,13 +3,13 @@ model's parameter shapes, as JSON.
 
     python tests/cpu/rank_geometry_probe.py DIR:N [DIR:N ...]
 
-Run in a subprocess by test_rank_geometry.py (it initialises torch.distributed for the
-process). Each DIR goes through vLLM's own ``ModelConfig`` (``load_format: dummy``, as the
-slice is served) and ``initialize_model`` with the tensor-parallel group's size set to N
-and this process its rank 0: no collective runs while a model is built on the meta device,
-so vLLM's layers shard exactly as on rank 0 of N GPUs. ``DIR:1`` is a plain TP=1 build.
-Only the platform-bound choices vLLM makes at construction are pinned, as in
-mtp_draft_probe.py (this host has no GPU); neither changes a parameter's shape.
+Run in a process of its own by test_rank_geometry.py, forked from probe_host.py (it initialises
+torch.distributed for the process). Each DIR goes through vLLM's own ``ModelConfig``
+(``load_format: dummy``, as the slice is served) and ``initialize_model`` with the
+tensor-parallel group's size set to N and this process its rank 0: no collective runs while a
+model is built on the meta device, so vLLM's layers shard exactly as on rank 0 of N GPUs.
+``DIR:1`` is a plain TP=1 build. Only the platform-bound choices vLLM makes at construction are
+pinned, as in mtp_draft_probe.py (this host has no GPU); neither changes a parameter's shape.
 """
 
 from __future__ import annotations

@@ -2,18 +2,18 @@
 
     python tests/cpu/rank_weights_probe.py DIR [DIR ...]
 
-Run in a subprocess by test_rank_weight_layouts.py. Per DIR (a ``make-tiny-model --geometry
-m3-tpN-rank`` directory): the quantization method vLLM's own ``ModelConfig`` resolves from its
-config.json and the config class vLLM builds for it. For each DIR whose quantization is MXFP8,
-the MoE backend vLLM 0.34.0's MXFP8 oracle (``fused_moe/oracle/mxfp8.py``) picks on an SM90
-CUDA device, as the platform reports one (capability 9.0; no kernel runs): with the installed
-``humming`` package and without it, and every backend's verdict in priority order; the same
-with ``VLLM_HUMMING_MOE_GEMM_TYPE=grouped``; and, for comparison, what one rank of the
-deployed TP 8 + EP 8 engine (128 experts, 16 on the rank) gets. For those DIRs also the
-MXFP8 linear kernel vLLM picks on that device (with and without ``humming``), and the
-activation dtype Humming settles on for the MXFP8 linear layers and MoE there
-(``check_and_fallback_input_schema``, as vLLM 0.34.0 calls it; Humming's device query is
-answered with SM90 too).
+Run in a process of its own by test_rank_weight_layouts.py, forked from probe_host.py. Per DIR
+(a ``make-tiny-model --geometry m3-tpN-rank`` directory): the quantization method vLLM's own
+``ModelConfig`` resolves from its config.json and the config class vLLM builds for it. For each
+DIR whose quantization is MXFP8, the MoE backend vLLM 0.34.0's MXFP8 oracle
+(``fused_moe/oracle/mxfp8.py``) picks on an SM90 CUDA device, as the platform reports one
+(capability 9.0; no kernel runs): with the installed ``humming`` package and without it, and
+every backend's verdict in priority order; the same with
+``VLLM_HUMMING_MOE_GEMM_TYPE=grouped``; and, for comparison, what one rank of the deployed
+TP 8 + EP 8 engine (128 experts, 16 on the rank) gets. For those DIRs also the MXFP8 linear kernel
+vLLM picks on that device (with and without ``humming``), and the activation dtype Humming
+settles on for the MXFP8 linear layers and MoE there (``check_and_fallback_input_schema``, as
+vLLM 0.34.0 calls it; Humming's device query is answered with SM90 too).
 """
 
 from __future__ import annotations

@@ -32,14 +32,19 @@ def rank_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def probed(rank_dirs, tmp_path_factory) -> dict[str, dict[str, dict[str, list[int]]]]:
+def probed(
+    rank_dirs, tmp_path_factory, vllm_probe_host
+) -> dict[str, dict[str, dict[str, list[int]]]]:
     """Per geometry: the slice at TP=1 and the full model's rank 0 at TP-N, from one probe."""
     full_dir = write_config_only_model(tmp_path_factory.mktemp("m3-full"), M3_TEXT_CONFIG)
     specs = {}
     for geometry, size in RANK_GEOMETRIES.items():
         specs[geometry] = (f"{rank_dirs[geometry]}:1", f"{full_dir}:{size}")
     shapes = run_json_probe(
-        PROBE, *(spec for pair in specs.values() for spec in pair), timeout=1800
+        PROBE,
+        *(spec for pair in specs.values() for spec in pair),
+        timeout=1800,
+        host=vllm_probe_host,
     )
     return {
         geometry: {"slice": shapes[sliced], "rank": shapes[rank]}

@@ -38,8 +38,9 @@ def slices(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def probed(slices) -> dict:
-    report = run_json_probe(PROBE, *(str(path) for path in slices.values()), timeout=900)
+def probed(slices, vllm_probe_host) -> dict:
+    paths = [str(path) for path in slices.values()]
+    report = run_json_probe(PROBE, *paths, timeout=900, host=vllm_probe_host)
     return {name: report[str(path)] for name, path in slices.items()} | {
         "deployed": report["deployed-ep8-rank"]
     }

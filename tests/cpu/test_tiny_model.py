@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from patchset_helpers import run_json_probe
+from probe_host import ProbeHost
 from safetensors import safe_open
 
 from vllm_minimax import cli
@@ -56,13 +57,13 @@ def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         return {name: tuple(weights.get_slice(name).get_shape()) for name in names}
 
 
-def _run_probe(tiny_mtp_dir: Path, *extra: str) -> dict:
-    return run_json_probe(PROBE, str(tiny_mtp_dir), *extra, timeout=600)
+def _run_probe(host: ProbeHost, tiny_mtp_dir: Path, *extra: str) -> dict:
+    return run_json_probe(PROBE, str(tiny_mtp_dir), *extra, timeout=600, host=host)
 
 
 @pytest.fixture(scope="module")
-def draft_probe(tiny_mtp_dir) -> dict:
-    return _run_probe(tiny_mtp_dir)
+def draft_probe(tiny_mtp_dir, vllm_probe_host) -> dict:
+    return _run_probe(vllm_probe_host, tiny_mtp_dir)
 
 
 def test_layout(tiny_dir):
@@ -217,9 +218,9 @@ def test_vllm_mtp_draft_loads_every_parameter_from_the_checkpoint(draft_probe):
     assert modules == {str(m) for m in range(MTP_MODULES)}
 
 
-def test_strict_check_catches_a_missing_draft_weight(tiny_mtp_dir):
+def test_strict_check_catches_a_missing_draft_weight(tiny_mtp_dir, vllm_probe_host):
     missing = "model.mtp.layers.1.transformer_layer.self_attn.index_k_proj.weight"
-    probe = _run_probe(tiny_mtp_dir, f"--drop={missing}")
+    probe = _run_probe(vllm_probe_host, tiny_mtp_dir, f"--drop={missing}")
     assert probe["strict_check_error"] is not None
     assert (
         "model.layers.1.transformer_layer.self_attn.qkv_proj.weight.index_k"

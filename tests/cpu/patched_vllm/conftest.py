@@ -71,8 +71,22 @@ def _build_patched_tree() -> Path:
     return root
 
 
+def _use_a_vllm_cache_of_this_tree(version: str) -> None:
+    """Point vLLM's cache (`VLLM_CACHE_ROOT`) of this process and the ones it starts at a
+    directory of the patched tree's own release.
+
+    vLLM keeps what it learned of a model class (`<root>/modelinfos/`) in one file per class,
+    checked against a hash of the model's package; where it is stale vLLM inspects the class
+    again in a subprocess that imports vLLM afresh (about 11 s here). The patched
+    `minimax_m3` package hashes unlike the installed one and unlike another release's, so in
+    one shared root each tree's processes overwrote the others' entries and missed in turn.
+    """
+    os.environ["VLLM_CACHE_ROOT"] = str(devtree.cache_dir() / "patched-vllm" / version / "vllm")
+
+
 PATCHED_VLLM_ROOT = _build_patched_tree()
 sys.path.insert(0, str(PATCHED_VLLM_ROOT))
+_use_a_vllm_cache_of_this_tree(patchset.read_vllm_version(PATCHED_VLLM_ROOT))
 
 
 @pytest.fixture
