@@ -59,8 +59,14 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import kernel_families
+from benchmarks.kernel_families import FAMILIES
+
 STEP_RANGE = "step_profile::step"
 INDEXER_RANGE = "step_profile::indexer"
+MOE_RANGE = "step_profile::moe_experts"
+HUMMING_KERNELS_FILE = "humming_kernels.json"
+TOP_NAMES = 8
 ARMS = ("triton", "flashinfer")
 POINTS = ("decode", "mixed", "prefill")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -69,9 +75,6 @@ LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 TRITON_INDEXER_KERNEL = re.compile(r"index_block_score|topk_index|decode_index_score")
 DEFAULT_SERVE_CONFIG = Path(__file__).resolve().parent.parent / "evals/h200-m3-tp8-rank-serve.yaml"
 INDEXER_BACKEND_KEY = "minimax_m3_indexer_backend"
-# FlashInfer's MSA programs (proxy score and top-k: ``cake_hopper_msa_*``, the CuTe-DSL
-# ``msa`` kernels), named so inside CUDA graphs too, where no launch lies in a range.
-FLASHINFER_INDEXER_KERNEL = re.compile(r"msa")
 TORCH_KERNEL = re.compile(r"at::|at_cuda|native::|^Memcpy|^Memset|elementwise|reduce_kernel")
 
 
@@ -118,6 +121,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mixed-decodes", type=int, default=16)
     parser.add_argument("--mixed-long-context", type=int, default=98304)
     parser.add_argument("--prefill-context", type=int, default=65536)
+    parser.add_argument(
+        "--prefill-prefix",
+        type=int,
+        default=0,
+        help="tokens of one prompt cached before the prefill point, that every prefill prompt"
+        " then starts with: its --prefill-context new tokens are prefilled at that prefix"
+        " (default: 0, no prefix)",
+    )
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
@@ -212,6 +223,8 @@ def check_args(args: argparse.Namespace) -> None:
             )
     if args.skip_steps < 0:
         raise UsageError("--skip-steps must be 0 or more")
+    if args.prefill_prefix < 0:
+        raise UsageError("--prefill-prefix must be 0 or more")
     if not 0 < args.host_bound_below <= 1:
         raise UsageError("--host-bound-below must be in (0, 1]")
     args.defined_arms = defined_arms(args.arm)
@@ -301,9 +314,11 @@ def analyze_trace(
     skip_steps: int,
     host_bound_below: float,
     max_steps: int | None = None,
+    humming_moe: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     """The figures of one profiled point from a torch profiler Chrome trace: the steps
-    after the first ``skip_steps``, at most ``max_steps`` of them."""
+    after the first ``skip_steps``, at most ``max_steps`` of them. ``humming_moe``: Humming
+    kernel names -> whether the MoE's (``humming_kernels.json``), for CUDA graphs' kernels."""
     events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
     steps = _ranges(events, STEP_RANGE)
     if len(steps) <= skip_steps:
@@ -341,8 +356,11 @@ def analyze_trace(
     named_us = sum(
         e["dur"]
         for e in gpu
-        if e["cat"] == "kernel"
-        and (TRITON_INDEXER_KERNEL.search(e["name"]) or FLASHINFER_INDEXER_KERNEL.search(e["name"]))
+        if e["cat"] == "kernel" and kernel_families.classify(e["name"])[0] == "indexer"
+    )
+    moe_ranges = [r for r in _ranges(events, MOE_RANGE) if start <= r["ts"] <= end]
+    by_family = family_figures(
+        gpu, launches, indexer_index, _RangeIndex(moe_ranges), bool(moe_ranges), humming_moe
     )
     indexer_host_us = sum(r["dur"] for r in in_window)
     calls = len(in_window)
@@ -366,6 +384,72 @@ def analyze_trace(
         "indexer_host_us_per_call": indexer_host_us / calls if calls else 0.0,
         "kernels_per_sparse_layer": {
             family: count / calls if calls else 0.0 for family, count in families.items()
+        },
+        "moe_ranges_per_step": len(moe_ranges) / len(steps),
+        **scaled_families(by_family, len(steps), gpu_us),
+    }
+
+
+def family_figures(
+    gpu: list[dict],
+    launches: dict[Any, dict],
+    indexer_index: _RangeIndex,
+    moe_index: _RangeIndex,
+    moe_ranges_seen: bool,
+    humming_moe: dict[str, bool] | None,
+) -> dict[str, dict]:
+    """GPU us by family, by (family, kind) and by (family, kernel name). A kernel launched
+    inside an indexer range is the indexer's whatever its name; otherwise its name's
+    family (``kernel_families.classify``), placed by its launch (``resolve``)."""
+    family_us = dict.fromkeys(FAMILIES, 0.0)
+    kind_us: dict[str, dict[str, float]] = {family: {} for family in FAMILIES}
+    name_us: dict[str, dict[str, float]] = {family: {} for family in FAMILIES}
+    for e in gpu:
+        launch = launches[e["args"]["correlation"]]
+        name = e["name"] if e["cat"] == "kernel" else e["cat"]
+        if e["cat"] != "kernel":
+            family, kind = "rest", "copy"
+        else:
+            family, kind = kernel_families.classify(name)
+        if indexer_index.contains(launch):
+            family = "indexer"
+        else:
+            family, kind = kernel_families.resolve(
+                family,
+                kind,
+                name,
+                in_moe=moe_index.contains(launch),
+                direct_launch="GraphLaunch" not in launch.get("name", ""),
+                moe_ranges_seen=moe_ranges_seen,
+                humming_moe=humming_moe,
+            )
+        family_us[family] += e["dur"]
+        kind_us[family][kind] = kind_us[family].get(kind, 0.0) + e["dur"]
+        name_us[family][name] = name_us[family].get(name, 0.0) + e["dur"]
+    return {"family": family_us, "kind": kind_us, "name": name_us}
+
+
+def scaled_families(by_family: dict[str, dict], steps: int, gpu_us: float) -> dict[str, Any]:
+    """``family_figures``'s sums as ms per step and shares of the summed GPU time, with the
+    top kernels of each family and every kind, largest first."""
+
+    def ms(us: float) -> float:
+        return us / steps / 1000
+
+    def top(table: dict[str, float], count: int | None) -> list[list[Any]]:
+        ranked = sorted(table.items(), key=lambda item: (-item[1], item[0]))
+        return [[name, ms(us)] for name, us in ranked[:count]]
+
+    return {
+        "families_ms_per_step": {f: ms(us) for f, us in by_family["family"].items()},
+        "families_share": {
+            f: (us / gpu_us if gpu_us else 0.0) for f, us in by_family["family"].items()
+        },
+        "family_kinds_ms_per_step": {
+            f: top(kinds, None) for f, kinds in by_family["kind"].items() if kinds
+        },
+        "family_top_kernels": {
+            f: top(names, TOP_NAMES) for f, names in by_family["name"].items() if names
         },
     }
 
@@ -397,6 +481,7 @@ ROWS = (
     ("indexer host ms / step", lambda r: f"{r['indexer_host_ms_per_step']:.3f}"),
     ("indexer share of step wall", lambda r: f"{100 * r['indexer_host_share']:.1f}%"),
     ("indexer host us / call", lambda r: f"{r['indexer_host_us_per_call']:.1f}"),
+    ("MoE experts' ranges / step", lambda r: f"{r.get('moe_ranges_per_step', 0.0):.1f}"),
     (
         "kernels / sparse layer: FlashInfer",
         lambda r: f"{r['kernels_per_sparse_layer']['flashinfer']:.2f}",
@@ -412,9 +497,63 @@ ROWS = (
 )
 
 
+FAMILY_LABELS = {
+    "moe_gemm": "MoE GEMMs",
+    "linear_gemm": "linear GEMMs",
+    "attention": "attention",
+    "indexer": "indexer",
+    "communication": "communication",
+    "rest": "the rest",
+    "gemm_unresolved": "Humming GEMM, MoE or linear unresolved",
+    "other": "other (no pattern)",
+}
+SHORT_NAME = 100
+
+
+def short_name(name: str) -> str:
+    """A kernel name cut to ``SHORT_NAME`` characters, with ``|`` escaped for a table."""
+    cut = name if len(name) <= SHORT_NAME else name[: SHORT_NAME - 3] + "..."
+    return "`" + cut.replace("|", "\\|").replace("`", "'") + "`"
+
+
+def family_lines(results: dict[str, dict[str, dict[str, Any]]], point: str) -> list[str]:
+    """The point's GPU time by kernel family (a column per arm), then per arm the rest's
+    kinds, the largest kernels of each GEMM family and the names no pattern knows."""
+    arms = [arm for arm in results if point in results[arm]]
+    arms = [arm for arm in arms if "families_ms_per_step" in results[arm][point]]
+    if not arms:
+        return []
+    lines = ["GPU time by kernel family, ms / step (share of GPU kernel+copy time):", ""]
+    lines += ["| family | " + " | ".join(arms) + " |", "|---" * (len(arms) + 1) + "|"]
+    for family in FAMILIES:
+        cells = []
+        for arm in arms:
+            figures = results[arm][point]
+            ms = figures["families_ms_per_step"].get(family, 0.0)
+            share = figures["families_share"].get(family, 0.0)
+            cells.append(f"{ms:.2f} ({100 * share:.1f}%)")
+        lines.append(f"| {FAMILY_LABELS[family]} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for arm in arms:
+        figures = results[arm][point]
+        kinds = figures["family_kinds_ms_per_step"]
+        tops = figures["family_top_kernels"]
+        lines.append(f"{arm}:")
+        if "rest" in kinds:
+            text = ", ".join(f"{kind} {ms:.2f}" for kind, ms in kinds["rest"][:6])
+            lines.append(f"- the rest by kind, ms / step: {text}")
+        for family in ("moe_gemm", "linear_gemm", "attention", "gemm_unresolved", "rest", "other"):
+            if family not in tops:
+                continue
+            names = "; ".join(f"{short_name(n)} {ms:.3f}" for n, ms in tops[family][:3])
+            lines.append(f"- top {FAMILY_LABELS[family]}, ms / step: {names}")
+        lines.append("")
+    return lines
+
+
 def format_report(results: dict[str, dict[str, dict[str, Any]]], setup: str) -> str:
-    """Markdown: one table per point, a column per arm."""
-    lines = ["# Engine step profile: MiniMax M3 indexer, Triton against FlashInfer", "", setup, ""]
+    """Markdown: one table per point, a column per arm, and the point's kernel families."""
+    lines = ["# Engine step profile: MiniMax M3, indexer and kernel families", "", setup, ""]
     points = sorted({point for by_point in results.values() for point in by_point})
     for point in points:
         arms = [arm for arm in results if point in results[arm]]
@@ -423,12 +562,19 @@ def format_report(results: dict[str, dict[str, dict[str, Any]]], setup: str) -> 
         for label, cell in ROWS:
             lines.append(f"| {label} | " + " | ".join(cell(results[a][point]) for a in arms) + " |")
         lines.append("")
+        lines += family_lines(results, point)
     lines += [
         "GPU time is summed kernel and copy time (streams may overlap); GPU busy is their union.",
         "A kernel is the indexer's when its launch lies inside `MiniMaxM3Indexer.forward`;"
         " inside a CUDA graph (full decode graphs) no launch does, so the rows 'by name'"
-        " count the indexer kernels by their names (FlashInfer's MSA programs, vLLM's"
+        " count the indexer kernels by their names (FlashInfer's MSA indexer programs, vLLM's"
         " Triton indexer kernels) wherever they ran.",
+        "Kernel families: by name (benchmarks/kernel_families.py), a kernel launched inside"
+        " the indexer's range being the indexer's and a GEMM launched inside the MoE experts'"
+        " range (`step_profile::moe_experts`) the MoE's; a Humming GEMM launched directly"
+        " outside that range is a linear layer's, one inside a CUDA graph is placed by"
+        " Humming's registry of compiled kernels (ARM/humming_kernels.json) where its name"
+        " is only the MoE's or only a linear layer's, and is 'unresolved' otherwise.",
         "",
     ]
     return "\n".join(lines)
@@ -438,6 +584,19 @@ def load_trace(path: Path) -> dict[str, Any]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as handle:
         return json.load(handle)
+
+
+def humming_registry(path: Path) -> dict[str, bool] | None:
+    """``HUMMING_KERNELS_FILE`` (``dump_humming_kernels``) as kernel name -> whether the
+    MoE's, under both its mangled and its demangled name; a name that both MoE and linear
+    kernels have, or whose role is unknown, is left out. None when there is no file."""
+    if not path.is_file():
+        return None
+    roles: dict[str, set[Any]] = {}
+    for kernel in json.loads(path.read_text()):
+        for name in {kernel.get("name"), kernel.get("demangled")} - {None}:
+            roles.setdefault(name, set()).add(kernel.get("moe"))
+    return {name: next(iter(moe)) for name, moe in roles.items() if moe in ({True}, {False})}
 
 
 def report_from_traces(directory: Path, args: argparse.Namespace, setup: str) -> dict:
@@ -453,6 +612,7 @@ def report_from_traces(directory: Path, args: argparse.Namespace, setup: str) ->
                 args.skip_steps,
                 args.host_bound_below,
                 max_steps=args.steps,
+                humming_moe=humming_registry(directory / arm / HUMMING_KERNELS_FILE),
             )
             timing = directory / arm / f"{point}.timing.json"
             if timing.is_file():
@@ -493,6 +653,63 @@ def install_ranges() -> None:
 
     LLMEngine.step = ranged(LLMEngine.step, STEP_RANGE)
     MiniMaxM3Indexer.forward = ranged(MiniMaxM3Indexer.forward, INDEXER_RANGE)
+    # The routed experts alone (not the shared expert, which the modular kernel runs beside
+    # them): vLLM runs the MoE as a custom op, so these run on the host at every step that
+    # no CUDA graph replays.
+    try:
+        from vllm.model_executor.layers.fused_moe import modular_kernel
+    except ImportError as error:
+        print(f"step_profile: no MoE experts' range ({error})", file=sys.stderr)
+        return
+    for owner, method in (
+        ("FusedMoEKernelModularImpl", "_fused_experts"),
+        ("FusedMoEKernelMonolithicImpl", "apply"),
+    ):
+        cls = getattr(modular_kernel, owner, None)
+        if cls is None or not hasattr(cls, method):
+            print(f"step_profile: no MoE experts' range on {owner}.{method}", file=sys.stderr)
+            continue
+        setattr(cls, method, ranged(getattr(cls, method), MOE_RANGE))
+
+
+def demangle(name: str) -> str | None:
+    """``name`` demangled by the C++ runtime (as the profiler names kernels), or None."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        runtime = ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6")
+    except OSError:
+        return None
+    cxa_demangle = runtime.__cxa_demangle
+    cxa_demangle.restype = ctypes.c_void_p
+    status = ctypes.c_int()
+    pointer = cxa_demangle(name.encode(), None, None, ctypes.byref(status))
+    if status.value != 0 or not pointer:
+        return None
+    text = ctypes.string_at(pointer).decode()
+    ctypes.CDLL(None).free(ctypes.c_void_p(pointer))
+    return text
+
+
+def dump_humming_kernels(path: Path) -> int:
+    """Every Humming GEMM this process compiled, as [{name, demangled, moe}] (``moe``: its
+    layer has experts), so that CUDA graphs' Humming kernels can be told MoE from linear by
+    name where the names differ. Returns the count (0 without Humming)."""
+    try:
+        from humming.kernel.humming import HummingKernel
+    except Exception:  # no Humming: nothing to write
+        return 0
+    kernels = []
+    for kernel in dict(getattr(HummingKernel, "_id2kernel", {})).values():
+        name = getattr(kernel, "kernel_name", None)
+        if not isinstance(name, str):
+            continue
+        experts = getattr(kernel, "num_experts", None)
+        moe = None if not isinstance(experts, int) else experts > 0
+        kernels.append({"name": name, "demangled": demangle(name), "moe": moe})
+    path.write_text(json.dumps(kernels, indent=1) + "\n")
+    return len(kernels)
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[dict[str, list[int]]]:
@@ -534,7 +751,11 @@ def run_arm(args: argparse.Namespace, arm: str) -> None:
     kwargs = engine_kwargs(
         args.config, arm_server_args(arm, args.defined_arms), args.max_num_batched_tokens
     )
-    longest = max(args.decode_context, args.mixed_long_context + 2048, args.prefill_context)
+    longest = max(
+        args.decode_context,
+        args.mixed_long_context + 2048,
+        args.prefill_prefix + args.prefill_context,
+    )
     longest += frame
     if kwargs.get("max_model_len", longest) < longest:
         raise UsageError(f"{args.config}: max-model-len is below the {longest} tokens needed")
@@ -573,14 +794,18 @@ def run_arm(args: argparse.Namespace, arm: str) -> None:
             target.write(source.read())
         raw.unlink()
         print(f"{arm} {point}: wrote {raw}.gz", flush=True)
+    count = dump_humming_kernels(out / HUMMING_KERNELS_FILE)
+    print(f"{arm}: {count} Humming GEMM kernels in {out / HUMMING_KERNELS_FILE}", flush=True)
 
 
 def point_prompts(args: argparse.Namespace, point: str, vocab: int) -> list[dict]:
-    """The prompts a point caches first: its decoding requests (none for ``prefill``)."""
+    """The prompts a point caches first: its decoding requests; for ``prefill``, the
+    ``--prefill-prefix`` prompt (none without one)."""
     if point == "decode":
         return _prompts(args.decode_batch, args.decode_context, vocab, seed=1)
     if point == "prefill":
-        return []
+        prefix = getattr(args, "prefill_prefix", 0)
+        return _prompts(1, prefix, vocab, seed=7) if prefix else []
     return _prompts(args.mixed_decodes, 2048, vocab, seed=2)
 
 
@@ -591,7 +816,7 @@ def point_run(
     ``decode``: the cached prompts every time. ``mixed``: the cached decodes beside a new
     long prompt (``seed``) that yields one token, the decodes outlasting its chunks so
     that every step of the run is mixed. ``prefill``: new prompts (``seed``) of one token
-    each, as many as fill ``steps`` chunk steps."""
+    each, as many as fill ``steps`` chunk steps, each after the cached prefix if any."""
     from vllm import SamplingParams
 
     if point == "decode":
@@ -599,6 +824,9 @@ def point_run(
     if point == "prefill":
         count = -(-steps // prompt_chunks(args, args.prefill_context))
         prompts = _prompts(count, args.prefill_context, vocab, seed=seed)
+        if cached:
+            prefix = cached[0]["prompt_token_ids"]
+            prompts = [{"prompt_token_ids": prefix + p["prompt_token_ids"]} for p in prompts]
         return prompts, [SamplingParams(max_tokens=1, ignore_eos=True)] * count
     chunks = prompt_chunks(args, args.mixed_long_context)
     decode = SamplingParams(max_tokens=max(steps, chunks + 1), ignore_eos=True)
@@ -641,6 +869,7 @@ def run_arms(args: argparse.Namespace) -> int:
             "--mixed-decodes", str(args.mixed_decodes),
             "--mixed-long-context", str(args.mixed_long_context),
             "--prefill-context", str(args.prefill_context),
+            "--prefill-prefix", str(args.prefill_prefix),
             "--config", str(args.config),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             *(["--python-profile"] if args.python_profile else []),
@@ -659,7 +888,8 @@ def setup_line(args: argparse.Namespace) -> str:
         "decode": f"{args.decode_batch} x {args.decode_context} tokens (cached prompts)",
         "mixed": f"{args.mixed_decodes} decodes of 2k + one {args.mixed_long_context}-token"
         " prefill",
-        "prefill": f"{args.prefill_context}-token prompts alone",
+        "prefill": f"{args.prefill_context}-token prompts alone"
+        + (f" after a cached {args.prefill_prefix}-token prefix" if args.prefill_prefix else ""),
     }
     points = "; ".join(f"{point}: {shapes[point]}" for point in args.points)
     return (
