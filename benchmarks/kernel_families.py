@@ -15,7 +15,7 @@ report lists these names so that ``PATTERNS`` can be extended).
 ``PATTERNS`` is ordered, and the first match wins (case-insensitive ``re.search``).
 FlashInfer 0.7.4 names its generated Hopper MSA programs ``kernel_cake_hopper_msa_<20 hex>``
 for the indexer and the attention alike; their role is read from FlashInfer's own route
-table (``flashinfer.jit.cake_hopper_msa.ROUTES``: route keys ``decode_v5:...``,
+table (``ROUTES`` of ``flashinfer/jit/cake_hopper_msa.py``: route keys ``decode_v5:...``,
 ``prefill_v1:...`` are attention, ``proxy_decode:...``, ``proxy_prefill:...``,
 ``topk_select:...`` the indexer).
 
@@ -29,10 +29,13 @@ compiled kernels.
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib.util
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 FAMILIES = (
     "moe_gemm",
@@ -124,7 +127,11 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("rest", "activation", r"silu|gelu|swiglu|act_and_mul"),
     _p("rest", "quantization", r"quant|fp8|process_input_kernel|token_scales"),
     _p("rest", "rotary", r"rotary|rope_"),
-    _p("rest", "MoE routing", r"moe_align|moe_sum|topk_?softmax|topkgating|expert|permute|routing"),
+    _p(
+        "rest",
+        "MoE routing",
+        r"moe_align|moe_sum|topk_?softmax|topkgating|expert|permute|routing|compute_identity",
+    ),
     _p("rest", "sampling", r"sampl|argmax|exponential|gumbel|top_?[kp]([^a-z]|$)|sort"),
     _p("rest", "Inductor (fused)", r"^triton_(poi|red|per)_"),
     _p("rest", "PyTorch", r"at::|at_cuda|native::|elementwise|reduce_kernel|CatArrayBatchedCopy"),
@@ -134,13 +141,25 @@ PATTERNS: tuple[Pattern, ...] = (
 
 @functools.cache
 def flashinfer_cake_routes() -> dict[str, str]:
-    """FlashInfer's Hopper MSA program names -> their route keys; empty when this FlashInfer
-    has no such table (not installed, or another version)."""
-    try:
-        from flashinfer.jit.cake_hopper_msa import ROUTES
-    except Exception:  # any import failure means: no table
+    """FlashInfer's Hopper MSA program names -> their route keys, read from the installed
+    FlashInfer's ``jit/cake_hopper_msa.py`` without importing FlashInfer (a literal
+    ``ROUTES`` dict there); empty when there is no such table (FlashInfer not installed, or
+    a version without it)."""
+    spec = importlib.util.find_spec("flashinfer")
+    if spec is None or not spec.submodule_search_locations:
         return {}
-    return {program: key for key, program in ROUTES.items()}
+    path = Path(next(iter(spec.submodule_search_locations))) / "jit" / "cake_hopper_msa.py"
+    if not path.is_file():
+        return {}
+    for node in ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == "ROUTES" for t in targets):
+            try:
+                routes = ast.literal_eval(node.value)
+            except ValueError:
+                return {}
+            return {program: key for key, program in routes.items()}
+    return {}
 
 
 def cake_role(program: str, routes: Mapping[str, str]) -> tuple[str, str]:

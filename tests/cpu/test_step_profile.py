@@ -283,3 +283,186 @@ def test_a_missing_serve_config_exits_2(tmp_path, capsys):
     argv = ["--model", str(tmp_path), "--out", str(tmp_path / "out")]
     assert step_profile.main([*argv, "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "nope.yaml does not exist" in capsys.readouterr().err
+
+
+# --- Kernel families (issue 62) ------------------------------------------------------------
+
+HUMMING = (
+    "void humming<MmaOpClass, Shape<0, 6144, 6144>, Shape<64, 128, 128>, Shape<64, 32, 128>,"
+    " Shape<0, 0, 0>, BFloat16, Float8E4M3, BFloat16, Float8E8M0, LayerConfig, ComputeConfig,"
+    " TuningConfig>(int4 const*)"
+)
+
+
+def _graph_launch(correlation: int, ts: float) -> dict:
+    return {**_launch(correlation, ts), "name": "cudaGraphLaunch"}
+
+
+def family_trace() -> dict:
+    """Three steps of 100 us, the first skipped. Kept kernels (us): in the indexer's range a
+    PyTorch kernel (5) and FlashInfer's top-k program (10): indexer 15; in the MoE experts'
+    ranges a Humming GEMM (30), moe_align (3) and Triton's fused_moe (16): MoE GEMMs 46,
+    MoE routing 3; launched directly outside them a Humming GEMM (20) and cuBLAS (8): linear
+    28; FlashInfer's sparse decode program (12): attention; an RMSNorm (4) and a copy (2);
+    one CUDA graph with a Humming GEMM (6, unresolved), an NCCL all-reduce (7) and an
+    unknown kernel (9). 132 us in all; the skipped step's fused_moe (50) is not counted."""
+    memcpy = {
+        **_kernel(9, "Memcpy HtoD (Pinned -> Device)", 186, 2),
+        "cat": "gpu_memcpy",
+    }
+    events = [
+        _range(STEP_RANGE, 0, 100),
+        _range(STEP_RANGE, 100, 100),
+        _range(STEP_RANGE, 200, 100),
+        _range(INDEXER_RANGE, 110, 10),
+        _range(step_profile.MOE_RANGE, 130, 20),
+        _range(step_profile.MOE_RANGE, 230, 20),
+        _launch(12, 12),
+        _kernel(12, "fused_moe_kernel", 20, 50),
+        _launch(1, 112),
+        _kernel(1, "void at::native::vectorized_elementwise_kernel<4>", 113, 5),
+        _launch(2, 114),
+        _kernel(2, "kernel_cake_hopper_msa_fc14209ebc6cac7e0653", 118, 10),
+        _launch(3, 132),
+        _kernel(3, HUMMING, 133, 30),
+        _launch(4, 135),
+        _kernel(4, "moe_align_block_size_kernel", 163, 3),
+        _launch(5, 160),
+        _kernel(5, HUMMING, 166, 20),
+        _launch(6, 170),
+        _kernel(6, "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", 186, 8),
+        _launch(7, 175),
+        _kernel(7, "kernel_cake_hopper_msa_200ffb0330dbc8893eeb", 194, 12),
+        _launch(8, 180),
+        _kernel(8, "void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>(int)", 206, 4),
+        {**_launch(9, 185), "name": "cudaMemcpyAsync"},
+        memcpy,
+        _launch(10, 232),
+        _kernel(10, "fused_moe_kernel", 233, 16),
+        _graph_launch(11, 260),
+        _kernel(11, HUMMING, 262, 6),
+        _kernel(11, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage)", 268, 7),
+        _kernel(11, "some_unknown_kernel_xyz", 275, 9),
+    ]
+    return {"traceEvents": events}
+
+
+FAMILY_US = {
+    "indexer": 15,
+    "moe_gemm": 46,
+    "linear_gemm": 28,
+    "attention": 12,
+    "communication": 7,
+    "rest": 9,
+    "gemm_unresolved": 6,
+    "other": 9,
+}
+
+
+def test_gpu_time_by_kernel_family_of_a_synthetic_trace():
+    figures = analyze_trace(family_trace(), sparse_layers=1, skip_steps=1, host_bound_below=0.9)
+    total = sum(FAMILY_US.values())
+    assert figures["gpu_ms_per_step"] == pytest.approx(total / 2 / 1000)
+    assert figures["families_ms_per_step"] == pytest.approx(
+        {family: us / 2 / 1000 for family, us in FAMILY_US.items()}
+    )
+    assert figures["families_share"] == pytest.approx(
+        {family: us / total for family, us in FAMILY_US.items()}
+    )
+    assert sum(figures["families_share"].values()) == pytest.approx(1)
+    rest = dict(figures["family_kinds_ms_per_step"]["rest"])
+    assert rest == pytest.approx({"MoE routing": 0.0015, "norm": 0.002, "copy": 0.001})
+    assert [name for name, _ in figures["family_kinds_ms_per_step"]["rest"]] == [
+        "norm",
+        "MoE routing",
+        "copy",
+    ]  # largest first
+    assert figures["family_top_kernels"]["other"] == [["some_unknown_kernel_xyz", 0.0045]]
+    assert figures["family_top_kernels"]["moe_gemm"] == [
+        [HUMMING, 0.015],
+        ["fused_moe_kernel", 0.008],
+    ]
+    assert figures["moe_ranges_per_step"] == 1
+
+
+def test_the_humming_registry_places_a_cuda_graphs_humming_gemm(tmp_path):
+    registry = tmp_path / step_profile.HUMMING_KERNELS_FILE
+    registry.write_text(json.dumps([{"name": "_Z7hummingI", "demangled": HUMMING, "moe": False}]))
+    humming_moe = step_profile.humming_registry(registry)
+    figures = analyze_trace(
+        family_trace(), sparse_layers=1, skip_steps=1, host_bound_below=0.9,
+        humming_moe=humming_moe,
+    )  # fmt: skip
+    assert figures["families_ms_per_step"]["gemm_unresolved"] == 0
+    assert figures["families_ms_per_step"]["linear_gemm"] == pytest.approx((28 + 6) / 2 / 1000)
+
+
+def test_without_moe_ranges_a_direct_humming_launch_stays_unresolved():
+    trace = family_trace()
+    trace["traceEvents"] = [e for e in trace["traceEvents"] if e["name"] != step_profile.MOE_RANGE]
+    figures = analyze_trace(trace, sparse_layers=1, skip_steps=1, host_bound_below=0.9)
+    by_family = figures["families_ms_per_step"]
+    assert by_family["gemm_unresolved"] == pytest.approx((30 + 20 + 6) / 2 / 1000)
+    assert by_family["moe_gemm"] == pytest.approx(16 / 2 / 1000)  # fused_moe by its name
+
+
+def test_the_humming_registry_leaves_out_names_that_are_both_or_unknown(tmp_path):
+    registry = tmp_path / "kernels.json"
+    registry.write_text(
+        json.dumps(
+            [
+                {"name": "_Z1a", "demangled": "a()", "moe": True},
+                {"name": "_Z1b", "demangled": None, "moe": True},
+                {"name": "_Z1b", "demangled": None, "moe": False},
+                {"name": "_Z1c", "demangled": "c()", "moe": None},
+            ]
+        )
+    )
+    assert step_profile.humming_registry(registry) == {"_Z1a": True, "a()": True}
+    assert step_profile.humming_registry(tmp_path / "none.json") is None
+
+
+def test_demangle_reads_a_cxx_name():
+    assert step_profile.demangle("_ZN3foo3barEv") == "foo::bar()"
+    assert step_profile.demangle("not_mangled") is None
+
+
+def test_the_report_gives_the_families_and_the_unknown_names(tmp_path):
+    traces = tmp_path / "traces"
+    (traces / "mxfp8-ep.w8a8").mkdir(parents=True)
+    with gzip.open(traces / "mxfp8-ep.w8a8" / "prefill.trace.json.gz", "wt") as handle:
+        json.dump(family_trace(), handle)
+    out = tmp_path / "out"
+    argv = ["--from-traces", str(traces), "--out", str(out), "--sparse-layers", "1"]
+    argv += ["--arms", "mxfp8-ep.w8a8", "--points", "prefill", "--prefill-context", "8192"]
+    assert step_profile.main([*argv, "--skip-steps", "1", "--steps", "2"]) == 0
+    report = (out / "step_profile.md").read_text()
+    assert "| MoE GEMMs | 0.02 (34.8%) |" in report
+    assert "| Humming GEMM, MoE or linear unresolved | 0.00 (4.5%) |" in report
+    assert "| other (no pattern) | 0.00 (6.8%) |" in report
+    assert "top other (no pattern), ms / step: `some_unknown_kernel_xyz` 0.004" in report  # 4.5 us
+    assert "the rest by kind, ms / step: norm 0.00, MoE routing 0.00, copy 0.00" in report
+
+
+def test_a_prefill_after_a_cached_prefix():
+    parsed = argparse.Namespace(
+        prefill_context=8192, max_num_batched_tokens=8192, prefill_prefix=512
+    )
+    cached = step_profile.point_prompts(parsed, "prefill", vocab=1000)
+    assert [len(p["prompt_token_ids"]) for p in cached] == [512]
+    prompts, params = step_profile.point_run(parsed, "prefill", cached, 1000, seed=3, steps=3)
+    prefix = cached[0]["prompt_token_ids"]
+    assert [len(p["prompt_token_ids"]) for p in prompts] == [512 + 8192] * 3
+    assert all(p["prompt_token_ids"][:512] == prefix for p in prompts)
+    assert len({tuple(p["prompt_token_ids"][512:]) for p in prompts}) == 3
+    assert [p.max_tokens for p in params] == [1, 1, 1]
+    outputs = [argparse.Namespace(outputs=[argparse.Namespace(token_ids=[7])])] * 3
+    assert step_profile.engine_steps(parsed, "prefill", outputs) == 3  # one chunk a prompt
+
+
+def test_a_negative_prefix_exits_2(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    argv = ["--model", str(tmp_path), "--out", str(tmp_path / "out"), "--prefill-prefix", "-1"]
+    assert step_profile.main(argv) == 2
+    assert "--prefill-prefix must be 0 or more" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
