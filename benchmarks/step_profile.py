@@ -1,4 +1,4 @@
-"""Where an engine step of MiniMax M3's TP-8 rank goes: the indexer's share, both indexers.
+"""Where an engine step of MiniMax M3's TP-8 rank goes: the indexer, and the kernel families.
 
     python -m benchmarks.step_profile --model DIR --out OUT
     python -m benchmarks.step_profile --from-traces OUT --out OUT   # re-report saved traces
@@ -22,7 +22,10 @@ profiler sees the model. Three points:
   decodes run as many steps as the prompt has chunks, so every profiled step is mixed;
 - ``prefill``: uncached ``--prefill-context``-token prompts alone, one after another, one
   chunk of ``--max-num-batched-tokens`` a step; ``--steps`` must be a multiple of a prompt's
-  chunks, so that the profiled steps hold every chunk position equally often.
+  chunks, so that the profiled steps hold every chunk position equally often. With
+  ``--prefill-prefix P`` a P-token prompt is cached first and every prefill prompt starts
+  with it: its new tokens are prefilled at a P-token prefix (``--prefill-context 8192
+  --prefill-prefix 32768``: every step one 8k chunk at 32k).
 
 Only the ``--steps`` steps after ``--skip-steps`` are reported. Before the profiled run, the
 point's unprofiled run of the same shape is timed (wall ms per step, in the report), and
@@ -37,8 +40,18 @@ report gives: step wall time; GPU busy time (the union of kernel and copy interv
 indexer's share of the step's GPU time and of its host (wall) time; kernels per sparse
 layer (per indexer call), split into FlashInfer's, vLLM's Triton indexer kernels and
 PyTorch's; and whether the step is host-bound (GPU busy less than ``--host-bound-below`` of
-the wall time). Writes OUT/ARM/POINT.trace.json.gz, OUT/step_profile.json and
-OUT/step_profile.md.
+the wall time).
+
+GPU time by kernel family (benchmarks/kernel_families.py: MoE GEMMs, linear GEMMs,
+attention, indexer, communication, the rest by kind, and 'other' with its largest names, for
+the pattern table to be extended): a third range, ``step_profile::moe_experts``, wraps vLLM's
+modular MoE kernel's routed experts (not the shared expert), so that a GEMM launched inside
+it is the MoE's and a Humming GEMM launched directly outside it a linear layer's; inside a
+CUDA graph (decode) no launch lies in a range, and a Humming GEMM is placed by
+OUT/ARM/humming_kernels.json, Humming's registry of the kernels this engine compiled (name,
+demangled name, whether its layer has experts), where its name is only the MoE's or only a
+linear layer's, else reported as unresolved. Writes OUT/ARM/POINT.trace.json.gz,
+OUT/ARM/humming_kernels.json, OUT/step_profile.json and OUT/step_profile.md.
 """
 
 from __future__ import annotations
