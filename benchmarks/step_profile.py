@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import cProfile
+import functools
 import gzip
 import io
 import json
@@ -367,9 +368,7 @@ def analyze_trace(
     busy_us = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
     indexer_gpu_us = sum(e["dur"] for e in indexer_gpu)
     named_us = sum(
-        e["dur"]
-        for e in gpu
-        if e["cat"] == "kernel" and kernel_families.classify(e["name"])[0] == "indexer"
+        e["dur"] for e in gpu if e["cat"] == "kernel" and classify_name(e["name"])[0] == "indexer"
     )
     moe_ranges = [r for r in _ranges(events, MOE_RANGE) if start <= r["ts"] <= end]
     by_family = family_figures(
@@ -403,6 +402,13 @@ def analyze_trace(
     }
 
 
+@functools.lru_cache(maxsize=65536)
+def classify_name(name: str) -> tuple[str, str]:
+    """``kernel_families.classify`` with the installed FlashInfer's routes, once a name (a
+    trace repeats each name thousands of times)."""
+    return kernel_families.classify(name)
+
+
 def family_figures(
     gpu: list[dict],
     launches: dict[Any, dict],
@@ -423,7 +429,7 @@ def family_figures(
         if e["cat"] != "kernel":
             family, kind = "rest", "copy"
         else:
-            family, kind = kernel_families.classify(name)
+            family, kind = classify_name(name)
         if indexer_index.contains(launch):
             family = "indexer"
         else:
