@@ -38,6 +38,7 @@ pytestmark = pytest.mark.skipif(
 FA_MODULE = "vllm.models.minimax_m3.nvidia.sparse_attention_flashinfer"
 IW_MODULE = "vllm.models.minimax_m3.nvidia.indexer_flashinfer_warmup"
 H100_SMS = 132
+H20_SMS = 78
 # A stand-in build that waits longer than this at the barrier was not running beside the
 # others (only a failing, serial build waits it out).
 BARRIER_TIMEOUT_S = 10.0
@@ -79,18 +80,23 @@ class _OfflineSink:
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,max_num_seqs,mtp,max_model_len",
-    [(8, 1, 200, 0, 132096), (32, 2, 40, 2, 32768)],
-    ids=["tp8-rank-128k", "group16-mtp2-32k"],
+    "heads,kv_heads,max_num_seqs,mtp,max_model_len,sms",
+    [
+        (8, 1, 200, 0, 132096, H100_SMS),
+        (8, 1, 300, 0, 132096, H20_SMS),
+        (32, 2, 40, 2, 32768, H100_SMS),
+    ],
+    ids=["h100-tp8-rank-128k", "h20-tp8-rank-128k", "h100-group16-mtp2-32k"],
 )
 def test_the_named_programs_are_the_ones_flashinfers_dispatch_loads(
-    monkeypatch, heads, kv_heads, max_num_seqs, mtp, max_model_len
+    monkeypatch, heads, kv_heads, max_num_seqs, mtp, max_model_len, sms
 ):
     """FlashInfer's SM90 dispatch run offline through the warm-up's own launches (its public
     ops on host tensors; every choice FlashInfer's, a program handed over where it would load
     one) loads exactly the programs the reservation builds side by side, first uses in the
-    same order (the H100's planners: 6 programs at 200 sequences, 128k context).
-    """
+    same order, on the GPU's SM count (6 programs at 200 sequences and a 128k context on
+    an H100; at 300 on an H20, whose 78 SMs hold fewer resident CTAs, FlashInfer's 64-key
+    VSEQ decode makes 7, which the H100's planners do not pick)."""
     from vllm_minimax import flashinfer_offline
 
     sa, _ = _modules()
@@ -105,15 +111,17 @@ def test_the_named_programs_are_the_ones_flashinfers_dispatch_loads(
         max_model_len=max_model_len,
     )
     sink = _OfflineSink()
-    with flashinfer_offline.offline_sm90(H100_SMS, sink):
+    with flashinfer_offline.offline_sm90(sms, sink):
         launches = sa.warmup_launches(geometry)
         buffers = sa.WarmupBuffers(geometry, launches, torch.device("cpu"))
         for launch in launches:
             sa.run_warmup_launch(geometry, *launch, buffers)
     loaded = list(dict.fromkeys(sink.nvcc_names))
     assert sink.cute_specs == []
-    assert sa.warmup_programs(geometry, H100_SMS) == loaded
+    assert sa.warmup_programs(geometry, sms) == loaded
     assert len(loaded) >= 3
+    if sms == H20_SMS:
+        assert len(loaded) == 7 and sa.warmup_programs(geometry, H100_SMS) != loaded
 
 
 class _Builds:
