@@ -2,7 +2,8 @@
 the level records as JSON.
 
     python tests/cpu/client_agreement_probe.py BASE_URL MODEL OUT_DIR \\
-        --input-tokens N --output-tokens M --num-requests K --concurrency 1 4 --rounds 3
+        --input-tokens N --output-tokens M --num-requests K --concurrency 1 4 --rounds 3 \\
+        [--wait-for FILE]
 
 Run in a subprocess by test_eval_e2e.py (vLLM's benchmark client is imported once, here).
 Per round and concurrency, this project's client (``eval throughput --client own``) and
@@ -13,6 +14,11 @@ own ``vllm:prompt_tokens_total`` and ``vllm:generation_tokens_total`` (Prometheu
 For bench's levels the probe also recomputes the level record from bench's per-request
 detail (``--save-detailed``) with this project's :func:`level_metrics`, so definitions are
 compared without timing noise.
+
+With ``--wait-for``, the probe imports that client and builds its prompts first, then waits
+until FILE exists before it sends anything (scripts/test makes it when the other lane is
+done), so the imports overlap that lane's end and only the levels need the CPU alone; the
+seconds it waited are ``waited_s`` in its JSON.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -66,6 +73,16 @@ def bench_per_request_metrics(data: dict[str, Any]) -> dict[str, Any]:
     return level_metrics(timings, data["duration"])
 
 
+def wait_for(path: Path, limit_s: float = 3600) -> float:
+    """Seconds until ``path`` exists; fail after ``limit_s``."""
+    start = time.monotonic()
+    while not path.exists():
+        if time.monotonic() > start + limit_s:
+            raise SystemExit(f"{path} did not appear in {limit_s:.0f} s")
+        time.sleep(1)
+    return time.monotonic() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("base_url")
@@ -76,6 +93,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, required=True)
     parser.add_argument("--concurrency", type=int, nargs="+", required=True)
     parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--wait-for", type=Path, help="send nothing before this file exists")
     args = parser.parse_args()
 
     shape = RequestShape(args.input_tokens, args.output_tokens)
@@ -100,8 +118,9 @@ def main() -> None:
         return {**bench.level_from_bench(data), "recomputed": bench_per_request_metrics(data)}
 
     warmup = warmup_prompts(scenario, vocabulary, SEED)
-    asyncio.run(run_level(args.base_url, args.model, warmup, 1, "warm-up", timeouts))
     bench.import_bench()
+    waited_s = wait_for(args.wait_for) if args.wait_for is not None else 0.0
+    asyncio.run(run_level(args.base_url, args.model, warmup, 1, "warm-up", timeouts))
     levels: list[dict[str, Any]] = []
     for round_number in range(args.rounds):
         order = ["own", "vllm-bench"] if round_number % 2 == 0 else ["vllm-bench", "own"]
@@ -118,7 +137,7 @@ def main() -> None:
                     {"client": client, "concurrency": concurrency, "round": round_number,
                      "served": served, **record}
                 )  # fmt: skip
-    print(json.dumps({"levels": levels}))
+    print(json.dumps({"levels": levels, "waited_s": waited_s}))
 
 
 if __name__ == "__main__":

@@ -300,52 +300,55 @@ QUIET_CPU_SIGNAL = "VLLM_MINIMAX_QUIET_CPU_FILE"
 
 
 @pytest.fixture
-def quiet_cpu(server: VllmServer) -> VllmServer:
-    """The module's server, once the CPU is this test's alone (at once unless
-    ``$VLLM_MINIMAX_QUIET_CPU_FILE`` names a file that does not exist yet). The seconds it
-    waited go to that file's name plus ``.waited``, which scripts/test prints: no wait means
-    this lane, not the main one, was the longer."""
+def quiet_cpu(server: VllmServer) -> tuple[VllmServer, Path | None]:
+    """The module's server, and the file whose appearance means the CPU is this test's alone
+    (``$VLLM_MINIMAX_QUIET_CPU_FILE``; None: it is already). The probe imports its clients
+    before it waits for that file and sends nothing until then; the seconds it waited go to
+    that file's name plus ``.waited``, which scripts/test prints: no wait means this lane,
+    not the main one, was the longer (or they ended within the probe's imports)."""
     signal_file = os.environ.get(QUIET_CPU_SIGNAL)
-    if signal_file:
-        start = time.monotonic()
-        while not Path(signal_file).exists():
-            assert time.monotonic() < start + 3600, f"{signal_file} did not appear in an hour"
-            time.sleep(1)
-        Path(f"{signal_file}.waited").write_text(f"{time.monotonic() - start:.0f}\n")
-    return server
+    return server, Path(signal_file) if signal_file else None
 
 
 @pytest.mark.quiet_cpu
 def test_vllm_bench_and_the_own_client_agree(
-    quiet_cpu: VllmServer, tiny_llama: Path, tmp_path: Path
+    quiet_cpu: tuple[VllmServer, Path | None], tiny_llama: Path, tmp_path: Path
 ):
     """One shape on this server through `vllm bench serve` and this project's client,
     alternated over rounds (client_agreement_probe.py). The timing part gets a second run
     when the first parts the clients: a disturbance of the machine rarely lasts through
     both, while a systematic error (a level at the wrong concurrency, tok/s per request)
     shifts every round of both runs."""
-    first = _agreement_run(quiet_cpu, tiny_llama, tmp_path / "first")
+    server, signal_file = quiet_cpu
+    first = _agreement_run(server, tiny_llama, tmp_path / "first", signal_file)
     if not first:
         return
-    second = _agreement_run(quiet_cpu, tiny_llama, tmp_path / "second")
+    second = _agreement_run(server, tiny_llama, tmp_path / "second")
     assert not second, f"both runs parted the clients: {first} then {second}"
 
 
-def _agreement_run(server: VllmServer, tiny_llama: Path, out: Path) -> list[tuple]:
-    """One probe run: its definitions asserted, its timing ratios outside the tolerance
-    returned."""
+def _agreement_run(
+    server: VllmServer, tiny_llama: Path, out: Path, wait_for: Path | None = None
+) -> list[tuple]:
+    """One probe run (its levels only once ``wait_for`` exists, if given): its definitions
+    asserted, its timing ratios outside the tolerance returned."""
     out.mkdir()
     command = [sys.executable, str(AGREEMENT_PROBE), server.base_url, str(tiny_llama)]
     command += [str(out), "--rounds", str(AGREEMENT_ROUNDS), "--concurrency"]
     command += [str(c) for c in AGREEMENT_CONCURRENCY]
     for key, value in AGREEMENT_SHAPE.items():
         command += [f"--{key.replace('_', '-')}", str(value)]
+    if wait_for is not None:
+        command += ["--wait-for", str(wait_for)]
     done = subprocess.run(
-        command, capture_output=True, text=True, timeout=900,
+        command, capture_output=True, text=True, timeout=900 + (3600 if wait_for else 0),
         env={**os.environ, **OFFLINE, "PYTHONPATH": str(REPO_ROOT)},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    levels = json.loads(done.stdout.strip().splitlines()[-1])["levels"]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if wait_for is not None:
+        Path(f"{wait_for}.waited").write_text(f"{result['waited_s']:.0f}\n")
+    levels = result["levels"]
     requests = AGREEMENT_SHAPE["num_requests"]
     assert len(levels) == 2 * len(AGREEMENT_CONCURRENCY) * AGREEMENT_ROUNDS
     for level in levels:

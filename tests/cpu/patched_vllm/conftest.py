@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import same_code
 
 from vllm_minimax import devtree, patchset
 
@@ -84,9 +85,61 @@ def _use_a_vllm_cache_of_this_tree(version: str) -> None:
     os.environ["VLLM_CACHE_ROOT"] = str(devtree.cache_dir() / "patched-vllm" / version / "vllm")
 
 
+INSTALLED_VLLM_VERSION = patchset.read_vllm_version(_installed_vllm_root())
 PATCHED_VLLM_ROOT = _build_patched_tree()
 sys.path.insert(0, str(PATCHED_VLLM_ROOT))
 _use_a_vllm_cache_of_this_tree(patchset.read_vllm_version(PATCHED_VLLM_ROOT))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{same_code.MARK}(*paths): calls only the code of these series files; against a"
+        " release other than the installed one it runs only where they differ (same_code.py)",
+    )
+
+
+_same_code_deselected: list[str] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Against a release other than the installed one, leave out the tests whose series files
+    are byte for byte the installed release's (`same_code.py`): its run runs them."""
+    installed = INSTALLED_VLLM_VERSION
+    if patchset.read_vllm_version(PATCHED_VLLM_ROOT) == installed:
+        return
+    installed_series = patchset.require_series_dir(installed)
+    verdicts: dict[tuple[str, ...], bool] = {}
+    counts: dict[tuple[str, ...], int] = {}
+    kept = []
+    for item in items:
+        mark = item.get_closest_marker(same_code.MARK)
+        paths = tuple(mark.args) if mark is not None else ()
+        if mark is not None and paths not in verdicts:
+            verdicts[paths] = same_code.same_as_installed(
+                PATCHED_VLLM_ROOT, paths, installed_series
+            )
+        if mark is None or not verdicts[paths]:
+            kept.append(item)
+        counts[paths] = counts.get(paths, 0) + 1
+    kept_ids = {id(item) for item in kept}
+    deselected = [item for item in items if id(item) not in kept_ids]
+    if deselected:
+        items[:] = kept
+        config.hook.pytest_deselected(items=deselected)
+    for paths, same in verdicts.items():
+        files = ", ".join(paths)
+        if same:
+            _same_code_deselected.append(
+                f"{counts[paths]} deselected: {files} are vLLM {installed}'s bytes,"
+                " whose run runs them"
+            )
+        else:
+            _same_code_deselected.append(f"{files} differ from vLLM {installed}'s: they run")
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
+    return [f"{same_code.MARK}: {line}" for line in _same_code_deselected]
 
 
 @pytest.fixture

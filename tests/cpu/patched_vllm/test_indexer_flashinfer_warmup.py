@@ -31,6 +31,14 @@ from vllm.models.minimax_m3.nvidia import indexer_flashinfer_warmup as warmup
 
 from vllm_minimax.testing.patched_module import indexer_text_config
 
+# The planning tests below call only the warm-up's planning functions (and the gate's
+# constants), FlashInfer's own planners and the installed FlashInfer's dispatch: against
+# another release they run only where these files differ from the installed release's.
+PLANNING_ONLY = pytest.mark.same_code_in_every_release(
+    "vllm/models/minimax_m3/nvidia/indexer_flashinfer_warmup.py",
+    "vllm/models/minimax_m3/nvidia/indexer_flashinfer_gate.py",
+)
+
 H200_SMS = 132
 META = torch.device("meta")
 HEAD_DIM = 128
@@ -151,6 +159,7 @@ TOPK_GEOMETRIES = {
 
 
 @pytest.mark.slow
+@PLANNING_ONLY
 @pytest.mark.parametrize("name", TOPK_GEOMETRIES)
 def test_topk_programs_match_every_shape(name, monkeypatch):
     geometry = TOPK_GEOMETRIES[name]
@@ -185,6 +194,7 @@ def _proxy_shapes(max_model_len: int, max_tokens: int):
                     yield warmup.ProxyScoreCall(tuple(lens), tiles, num_pages)
 
 
+@PLANNING_ONLY
 @pytest.mark.parametrize(
     "heads,max_model_len,max_tokens", [(4, 32768, 8192), (1, 131072, 16384), (2, 2048, 2048)]
 )
@@ -681,6 +691,7 @@ def _random_points(geometry, rng, count: int):
             yield rng.randint(widths[w], widths[w + 1]), rng.randint(tokens[t], tokens[t + 1])
 
 
+@PLANNING_ONLY
 def test_topk_sampling_covers_random_points_at_production_sizes():
     """MiniMax M3 at TP1 (4 index heads) with 192k-token contexts and 16k batched
     tokens: every top-k program FlashInfer picks at 20000 seeded random (width, token
