@@ -433,14 +433,28 @@ def test_eval_ab_runs_every_round_on_one_server_per_arm(tmp_path, monkeypatch):
     assert repeats["arms"]["stock"]["kv_cache_tokens"] == [9000]
 
 
+# The script's functions that build one served round's `eval ab` command.
+SERVED_ROUND_FUNCTIONS = ("fp8kv_arm", "served_points", "served_order", "served_arm",
+                          "stock_env", "check_rep", "ab_command", "served_round")  # fmt: skip
+
+
+def sed_picks(*functions: str) -> str:
+    """A sed script printing each named shell function of the served-A/B script."""
+    return ";".join(f"/^{name}() {{/,/^}}/p" for name in functions)
+
+
+def sourced(*functions: str, settings: bool = False) -> str:
+    """Bash that defines these functions of the script (with settings, its SERVED_* lines too)
+    under ``set -uo pipefail``; a test appends what it runs."""
+    picks = sed_picks(*functions) + (";/^SERVED_[A-Z0-9_]*=/p" if settings else "")
+    return f"set -uo pipefail; source <(sed -n '{picks}' {SCRIPT}); "
+
+
 def test_the_script_serves_the_rotated_arms_with_three_rounds_and_the_fourth_arm(tmp_path):
-    names = ("fp8kv_arm", "served_points", "served_order", "served_arm", "stock_env",
-             "check_rep", "ab_command", "served_round")  # fmt: skip
-    picks = ";".join(f"/^{name}() {{/,/^}}/p" for name in names)
     extra = tmp_path / "w.yaml"
     extra.write_text("quantization-config: {w8a8: true}\nserver-env: {K: V}\n")
     code = (
-        f"set -uo pipefail; source <(sed -n '{picks};/^SERVED_[A-Z0-9_]*=/p' {SCRIPT}); "
+        f"{sourced(*SERVED_ROUND_FUNCTIONS, settings=True)}"
         "model=/m serve_config=c.yaml routing=R=1 stock=/stock-copy card=h200; "
         'served_round 2; echo "tag: $tag"; printf "%s\\n" "${ab_cmd[@]}"'
     )
@@ -486,13 +500,10 @@ def test_the_humming_a8_arm_runs_beside_w8a8_each_with_its_own_environment(tmp_p
     """HUMMING_A8_ARGS=FILE adds the arm humming-a8 after w8a8 (both over (c)'s arguments),
     each arm's server-env on that arm alone; alone it adds humming-a8 only; named in
     SERVED_ARMS without its file it is refused."""
-    names = ("fp8kv_arm", "served_points", "served_order", "served_arm", "stock_env",
-             "check_rep", "ab_command", "served_round")  # fmt: skip
-    picks = ";".join(f"/^{name}() {{/,/^}}/p" for name in names)
     extra = tmp_path / "w.yaml"
     extra.write_text("quantization-config: {w8a8: true}\nserver-env: {K: V}\n")
     code = (
-        f"set -uo pipefail; source <(sed -n '{picks};/^SERVED_[A-Z0-9_]*=/p' {SCRIPT}); "
+        f"{sourced(*SERVED_ROUND_FUNCTIONS, settings=True)}"
         "model=/m serve_config=c.yaml routing=R=1 stock=/stock-copy card=h200; "
         'served_round 2; printf "%s\\n" "${ab_cmd[@]}"'
     )
@@ -549,8 +560,7 @@ def test_the_fourth_arm_takes_the_name_of_the_extra_arm_it_makes(capsys):
 
 
 def test_served_point_names_keep_the_card_order_and_refuse_a_point_the_card_lacks(tmp_path):
-    picks = "/^served_points() {/,/^}/p"
-    code = f"set -uo pipefail; source <(sed -n '{picks};/^SERVED_[A-Z0-9_]*=/p' {SCRIPT}); "
+    code = sourced("served_points", settings=True)
     kept = run_bash(code + "served_points h100", SERVED_POINT_NAMES="mixed-c16 prefill-128k-c1")
     assert kept.returncode == 0, kept.stderr
     assert kept.stdout.split() == ["prefill-128k-c1", "mixed-c16"]
@@ -583,8 +593,7 @@ def test_the_detached_phase_summarises_and_collects_a_compact_set(tmp_path):
     )
     (tmp_path / "ab.json").write_text(json.dumps(record))
     (tmp_path / "fake_eval.py").write_text(FAKE_EVAL)
-    names = ("served_detached", "served_collect", "ab_wait")
-    picks = ";".join(f"/^{name}() {{/,/^}}/p" for name in names)
+    picks = sed_picks("served_detached", "served_collect", "ab_wait")
     out = tmp_path / "OUT" / "served-ab" / "mxfp8-ep"
     root = tmp_path / "m3ab"
     root.mkdir()
@@ -698,7 +707,7 @@ def test_the_detached_served_round_takes_over_the_restore_of_the_vllm_tree(tmp_p
     record = ab_record({"stock": STOCK_ROUNDS}, ["stock"])
     (tmp_path / "ab.json").write_text(json.dumps(record))
     (tmp_path / "fake_eval.py").write_text(FAKE_EVAL)
-    picks = ";".join(f"/^{name}() {{/,/^}}/p" for name in ("served_detached", "ab_wait"))
+    picks = sed_picks("served_detached", "ab_wait")
     root = tmp_path / "m3ab"
     root.mkdir()
     restore = tmp_path / "gpu-env-restore.rec"
