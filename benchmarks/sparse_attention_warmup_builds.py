@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.sparse_attention_warmup_memory import WarmupCase
+
 ARMS = ("side-by-side", "serial")
 WARMUP_LINE = re.compile(
     r"MiniMax M3 sparse attention warm-up: (\d+) FlashInfer launches ready in ([\d.]+)s.*?"
@@ -123,15 +125,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         sa.build_warmup_programs = lambda geometry, device: 0
     device = torch.device("cuda", 0)
     torch.empty(1, device=device)
-    geometry = sa.sparse_attention_warmup_geometry(
+    geometry = WarmupCase(
+        name="rank",
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
-        scale=128**-0.5,
-        num_speculative_tokens=args.mtp,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        num_speculative_tokens=args.mtp,
         max_model_len=args.max_model_len,
-    )
+    ).geometry()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = sa.warmup_programs(geometry, sms)
     so_before = _so_files(workspace)
