@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import itertools
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -253,3 +254,25 @@ def install(monkeypatch, ops: RecordingMsaOps, *modules: Any) -> None:
         for module in modules:
             if hasattr(module, name):
                 monkeypatch.setattr(module, name, getattr(ops, name))
+
+
+def registration_config(
+    *,
+    max_num_seqs: int,
+    num_speculative_tokens: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    jit_warmup: bool = True,
+) -> SimpleNamespace:
+    """What patch 0007's registration reads of an engine's config (a CPU VllmConfig has no
+    model): the JIT warm-up switch, the draft length, the dtype and context, the scheduler's
+    limits and no decode context parallelism."""
+    return SimpleNamespace(
+        kernel_config=SimpleNamespace(enable_jit_warmup=jit_warmup),
+        speculative_config=SimpleNamespace(num_speculative_tokens=num_speculative_tokens),
+        model_config=SimpleNamespace(dtype=torch.bfloat16, max_model_len=max_model_len),
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        ),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+    )

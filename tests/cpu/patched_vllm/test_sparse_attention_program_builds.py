@@ -28,6 +28,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sparse_attention_helpers import registration_config
 
 from vllm_minimax.probe import sparse_attention_in_series
 
@@ -232,13 +233,13 @@ def gpu(monkeypatch):
 
 
 def _registration_config(*, jit_warmup: bool, max_num_seqs: int, mtp: int):
-    """What the registration reads of an engine's config (a CPU VllmConfig has no model)."""
-    return SimpleNamespace(
-        kernel_config=SimpleNamespace(enable_jit_warmup=jit_warmup),
-        speculative_config=SimpleNamespace(num_speculative_tokens=mtp),
-        model_config=SimpleNamespace(dtype=torch.bfloat16, max_model_len=132096),
-        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=16384),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+    """The slice's engine: a 128k context and 16384 batched tokens."""
+    return registration_config(
+        jit_warmup=jit_warmup,
+        max_num_seqs=max_num_seqs,
+        num_speculative_tokens=mtp,
+        max_model_len=132096,
+        max_num_batched_tokens=16384,
     )
 
 

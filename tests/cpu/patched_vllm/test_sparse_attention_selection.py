@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sparse_attention_helpers import registration_config
 
 from vllm_minimax.probe import select_sparse_attention, sparse_attention_in_series
 
@@ -594,13 +595,12 @@ def test_the_page_bounds_read_from_flashinfer_are_the_builders():
 
 
 def _registration_config(max_num_seqs: int = 48, num_speculative_tokens: int = 1):
-    """What the registration reads of an engine's config (a CPU VllmConfig has no model)."""
-    return SimpleNamespace(
-        kernel_config=SimpleNamespace(enable_jit_warmup=True),
-        speculative_config=SimpleNamespace(num_speculative_tokens=num_speculative_tokens),
-        model_config=SimpleNamespace(dtype=torch.bfloat16, max_model_len=40000),
-        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=6144),
-        parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+    """This file's engine: a 40000-token context and 6144 batched tokens."""
+    return registration_config(
+        max_num_seqs=max_num_seqs,
+        num_speculative_tokens=num_speculative_tokens,
+        max_model_len=40000,
+        max_num_batched_tokens=6144,
     )
 
 
