@@ -104,15 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sms", type=int, default=132, help="the GPU's SM count")
     parser.add_argument("--bucket", type=int, help="pad decode batches to buckets of this")
     args = parser.parse_args(argv)
-    geometry = WarmupCase(
-        name="command line",
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_speculative_tokens=args.mtp,
-        max_model_len=args.max_model_len,
-    ).geometry()
+    geometry = WarmupCase.from_args("command line", args).geometry()
     plans = {"as launched": plan_scratch(geometry, args.sms)}
     if args.bucket:
         plans[f"buckets of {args.bucket}"] = plan_scratch(geometry, args.sms, args.bucket)

@@ -125,15 +125,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         sa.build_warmup_programs = lambda geometry, device: 0
     device = torch.device("cuda", 0)
     torch.empty(1, device=device)
-    geometry = WarmupCase(
-        name="rank",
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_speculative_tokens=args.mtp,
-        max_model_len=args.max_model_len,
-    ).geometry()
+    geometry = WarmupCase.from_args("rank", args).geometry()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = sa.warmup_programs(geometry, sms)
     so_before = _so_files(workspace)

@@ -41,6 +41,21 @@ class WarmupCase:
     num_speculative_tokens: int
     max_model_len: int
 
+    @classmethod
+    def from_args(cls, name: str, args: Any) -> WarmupCase:
+        """The case a command line gives: ``args`` from a parser with ``--heads``,
+        ``--kv-heads``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--mtp`` and
+        ``--max-model-len``."""
+        return cls(
+            name=name,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            num_speculative_tokens=args.mtp,
+            max_model_len=args.max_model_len,
+        )
+
     def geometry(self) -> Any:
         """The patched ``SparseAttentionWarmupGeometry`` of a TP rank with these settings."""
         from vllm.models.minimax_m3.nvidia import sparse_attention_flashinfer as sa

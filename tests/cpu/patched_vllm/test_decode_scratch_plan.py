@@ -57,3 +57,34 @@ def test_buckets_hold_less_scratch_than_every_count() -> None:
     every, bucketed = plan_scratch(geometry, H100_SMS), plan_scratch(geometry, H100_SMS, 16)
     assert bucketed.entries < every.entries / 10
     assert bucketed.gib < every.gib / 10
+
+
+def test_a_command_line_case_takes_each_option_into_its_own_field() -> None:
+    from argparse import Namespace
+
+    args = Namespace(
+        heads=16, kv_heads=2, max_num_seqs=3, max_num_batched_tokens=4, mtp=5, max_model_len=6
+    )
+    assert WarmupCase.from_args("cli", args) == WarmupCase("cli", 16, 2, 3, 4, 5, 6)
+
+
+def test_the_command_line_plans_the_geometry_of_its_own_options(capsys) -> None:
+    """A measured case given as options prints that case's plan."""
+    from benchmarks.decode_scratch_plan import main
+
+    case = next(c for c in _measured_cases() if c["name"] == "defaults-g8-mtp3")
+    options = {
+        "--heads": case["num_heads"],
+        "--kv-heads": case["num_kv_heads"],
+        "--max-num-seqs": case["max_num_seqs"],
+        "--max-num-batched-tokens": case["max_num_batched_tokens"],
+        "--mtp": case["num_speculative_tokens"],
+        "--max-model-len": case["max_model_len"],
+        "--sms": H100_SMS,
+    }
+    assert main([str(word) for option in options.items() for word in option]) == 0
+    plan = plan_scratch(_geometry(case), H100_SMS)
+    assert capsys.readouterr().out == (
+        f"as launched: {plan.entries} scratch entries, {plan.gib:.3f} GiB"
+        f" ({plan.launches} launches)\n"
+    )
