@@ -91,6 +91,8 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 ARCHITECTURE = "MiniMaxM3SparseForCausalLM"
+# The published checkpoints' architecture: the VL wrapper, the text model under `language_model.`.
+VL_ARCHITECTURE = "MiniMaxM3SparseForConditionalGeneration"
 MTP_ARCHITECTURE = "MiniMaxM3MTP"
 MTP_MODEL_TYPE = "minimax_m3_mtp"
 # The draft checkpoint's directory inside the tiny model's (vLLM loads only the

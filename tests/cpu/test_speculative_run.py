@@ -235,24 +235,50 @@ def test_the_loaders_message_is_read() -> None:
 
 
 def test_the_published_layout_declares_a_module_and_carries_none(tmp_path: Path) -> None:
-    """The demonstration's checkpoint: the tiny model's files under the minimax_m3_vl
-    wrapper declaring one MTP module; doctor says its tensors are absent."""
+    """The demonstration's checkpoint: the tiny model's tensors under `language_model.`, data
+    unchanged, in the minimax_m3_vl wrapper with the VL architecture declaring one MTP
+    module; doctor says its tensors are absent; the target directory is left as it was."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
     from vllm_minimax.checkpoint_weights import Outcome, check
-    from vllm_minimax.tiny_model import write_tiny_config_files
+    from vllm_minimax.tiny_model import VL_ARCHITECTURE, write_tiny_config_files
 
     target = tmp_path / "tiny"
     write_tiny_config_files(target, mtp_modules=1)  # writes mtp/config.json, left behind
-    header = json.dumps({"model.layers.0.self_attn.q_proj.weight": {}}).encode()
-    (target / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+    tensors = {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(3, 5, dtype=torch.bfloat16),
+        "lm_head.weight": torch.randn(7, dtype=torch.float32),  # a header length not of 8
+    }
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    before = (target / "model.safetensors").read_bytes()
     work = speculative_run.published_layout(target, tmp_path / "work")
     config = json.loads((work / "config.json").read_text())
     assert config["model_type"] == "minimax_m3_vl"
+    assert config["architectures"] == [VL_ARCHITECTURE]
     assert config["text_config"]["num_mtp_modules"] == 1
-    assert (work / "model.safetensors").resolve() == (target / "model.safetensors").resolve()
+    renamed = load_file(str(work / "model.safetensors"))
+    assert sorted(renamed) == sorted(f"language_model.{name}" for name in tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(renamed[f"language_model.{name}"], tensor)
+    assert (target / "model.safetensors").read_bytes() == before
+    assert (work / "tokenizer.json").resolve() == (target / "tokenizer.json").resolve()
     assert not (work / "mtp").exists()
     assert json.loads((target / "config.json").read_text())["model_type"] != "minimax_m3_vl"
     row = check({"method": "mtp", "num_speculative_tokens": 2}, str(work))
     assert row.outcome is Outcome.ABSENT and "not initialized" in row.text
+
+
+def test_the_published_layout_renames_the_index_too(tmp_path: Path) -> None:
+    from vllm_minimax.tiny_model import write_tiny_config_files
+
+    target = tmp_path / "tiny"
+    write_tiny_config_files(target)
+    index = {"metadata": {"total_size": 4}, "weight_map": {"lm_head.weight": "a.safetensors"}}
+    (target / speculative_run.SAFETENSORS_INDEX).write_text(json.dumps(index))
+    work = speculative_run.published_layout(target, tmp_path / "work")
+    written = json.loads((work / speculative_run.SAFETENSORS_INDEX).read_text())
+    assert written == {**index, "weight_map": {"language_model.lm_head.weight": "a.safetensors"}}
 
 
 def _demo_module():
@@ -269,11 +295,12 @@ def _demo_module():
 @pytest.mark.parametrize(
     ("raised", "expected_exit"),
     [
-        (ValueError(f"{speculative_run.NOT_INITIALIZED}: {{'model.layers.0.eh_proj.weight'}}"), 0),
+        (ValueError(f"{speculative_run.NOT_INITIALIZED}: {{'model.layers.0.enorm.weight'}}"), 0),
+        (ValueError(f"{speculative_run.NOT_INITIALIZED}: {{'language_model.lm_head.weight'}}"), 1),
         (RuntimeError("CUDA out of memory"), 1),  # stopped, for another reason
         (None, 1),  # started: not what vLLM 0.34.0's loader does
     ],
-    ids=["the-loaders-check", "another-error", "started"],
+    ids=["the-loaders-check", "the-target-unloaded", "another-error", "started"],
 )
 def test_the_demonstration_reports_what_stopped_the_engine(
     tmp_path: Path, monkeypatch, raised, expected_exit
@@ -307,6 +334,7 @@ def test_the_demonstration_reports_what_stopped_the_engine(
     assert result["doctor"][0] == "absent"
     assert seen["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
     assert seen["model"] == str(tmp_path / "work")
+    assert seen["limit_mm_per_prompt"] == {"image": 0, "video": 0}
     assert result["engine"] == ("started" if raised is None else "stopped")
     if expected_exit == 0:
-        assert result["not_initialized"] == ["model.layers.0.eh_proj.weight"]
+        assert result["not_initialized"] == ["model.layers.0.enorm.weight"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -139,28 +140,79 @@ NOT_INITIALIZED = "Following weights were not initialized from checkpoint"
 
 
 def published_layout(target: Path, work: Path, mtp_modules: int = 1) -> Path:
-    """``work``: the tiny checkpoint's top-level files (links) under the published
-    ``minimax_m3_vl`` wrapper config, whose text config declares ``mtp_modules`` MTP modules
-    (what vLLM 0.34.0 rewrites into a ``MiniMaxM3MTP`` draft of the target itself)."""
+    """``work``: the tiny checkpoint as the published MiniMax M3 checkpoints are laid out, with
+    ``mtp_modules`` MTP modules declared and none carried.
+
+    - ``config.json``: the ``minimax_m3_vl`` wrapper with the VL architecture
+      (:data:`~vllm_minimax.tiny_model.VL_ARCHITECTURE`), which vLLM 0.34.0 builds with the
+      text model under ``language_model.``; ``text_config.num_mtp_modules`` is what vLLM
+      rewrites into a ``MiniMaxM3MTP`` draft of the target itself. The wrapper's vision
+      config is transformers' default: serve it with ``limit_mm_per_prompt`` 0 for image
+      and video, so that vLLM skips the tower (the checkpoint has none of its weights).
+    - ``*.safetensors`` (and the index's weight map): the target's tensors, each name
+      prefixed ``language_model.`` as in the published files; the data bytes are copied.
+    - every other top-level file: a link to the target's.
+
+    The text-only architecture cannot serve here: its layers are ``model.layers.{i}``, the
+    names ``MiniMaxM3MTP`` gives its own modules."""
     from vllm_minimax.tiny_model import (
         PUBLISHED_MODEL_TYPE,
         PUBLISHED_MODEL_TYPE_LAYOUT,
+        VL_ARCHITECTURE,
         target_config_json,
     )
 
     target, work = Path(target), Path(work)
     work.mkdir(parents=True, exist_ok=True)
     for entry in target.iterdir():
-        if entry.is_file() and entry.name != "config.json":
-            link = work / entry.name
-            if not link.exists():
-                link.symlink_to(entry.resolve())
+        if not entry.is_file() or entry.name == "config.json":
+            continue
+        destination = work / entry.name
+        if entry.suffix == ".safetensors":
+            prefix_safetensors_names(entry, destination, LANGUAGE_MODEL_PREFIX)
+        elif entry.name == SAFETENSORS_INDEX:
+            index = json.loads(entry.read_text())
+            index["weight_map"] = {
+                LANGUAGE_MODEL_PREFIX + name: shard for name, shard in index["weight_map"].items()
+            }
+            destination.write_text(json.dumps(index, indent=2) + "\n")
+        elif not destination.exists():
+            destination.symlink_to(entry.resolve())
     config = json.loads((target / "config.json").read_text())
     if config.get("model_type") != PUBLISHED_MODEL_TYPE:
         config = target_config_json(config, PUBLISHED_MODEL_TYPE_LAYOUT)
+    config["architectures"] = [VL_ARCHITECTURE]
     config["text_config"]["num_mtp_modules"] = mtp_modules
     (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return work
+
+
+# The published checkpoints' name prefix of the text model's tensors.
+LANGUAGE_MODEL_PREFIX = "language_model."
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def prefix_safetensors_names(source: Path, destination: Path, prefix: str) -> None:
+    """``destination``: ``source``'s safetensors file with ``prefix`` before every tensor name.
+
+    Only the header changes: the offsets in it count from the end of the header, so the data
+    section is copied as it is. The new header is padded with spaces to 8 bytes, as the
+    format recommends."""
+    with source.open("rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(length))
+        renamed = {
+            (name if name == "__metadata__" else prefix + name): entry
+            for name, entry in header.items()
+        }
+        encoded = json.dumps(renamed, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        partial = destination.with_name(destination.name + ".partial")
+        with partial.open("wb") as out:
+            out.write(len(encoded).to_bytes(8, "little"))
+            out.write(encoded)
+            shutil.copyfileobj(file, out)
+    partial.replace(destination)
 
 
 def not_initialized(text: str) -> list[str]:
