@@ -1,7 +1,8 @@
 """Which family a GPU kernel of a MiniMax M3 engine step belongs to, by its name.
 
 The families: ``moe_gemm`` (the routed experts' GEMMs: Humming's grouped or indexed GEMM,
-vLLM's CUTLASS grouped fp8 GEMM, Triton's ``fused_moe_kernel``, Marlin's MoE),
+vLLM's CUTLASS grouped fp8 GEMM with its argument-setup kernel, Triton's ``fused_moe_kernel``,
+Marlin's MoE),
 ``linear_gemm`` (every other GEMM: Humming's linear GEMM, CUTLASS ``scaled_mm``, cuBLAS's
 ``nvjet``/``xmma`` kernels), ``attention`` (FlashInfer's MSA sparse prefill and decode,
 vLLM's Triton sparse attention, FlashAttention on the dense layers), ``indexer`` (the
@@ -112,6 +113,12 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("attention", "Triton attention", r"unified_attention|paged_attention"),
     _p("moe_gemm", "Triton fused_moe", r"fused_moe_kernel"),
     _p("moe_gemm", "CUTLASS grouped GEMM", r"GroupProblemShape|PtrArray|grouped_mm|cutlass_moe"),
+    # The one-block kernel that vLLM's CUTLASS grouped MoE GEMMs launch, inside the same op and
+    # just before the GEMM, to write each expert's A, B, C and scale pointers (vLLM 0.34.0's
+    # csrc: get_group_gemm_starts of quantization/w8a8/cutlass/moe and cutlass_w4a8,
+    # __get_group_gemm_starts of fp4's nvfp4 MoE, __mxfp4_get_group_gemm_starts). Under CUDA
+    # graphs no MoE range places it, and the generic ``gemm`` below would make it a linear's.
+    _p("moe_gemm", "CUTLASS grouped GEMM setup", r"get_group_gemm_starts"),
     _p("moe_gemm", "Marlin MoE", r"marlin_moe|MarlinMoE|moe_wna16"),
     # Humming's GEMM (humming/kernel/humming.py: the template ``humming<MmaOpClass, ...>``),
     # demangled or not; MoE or linear is for ``resolve`` to say.

@@ -101,6 +101,28 @@ REAL_NAMES: dict[str, str] = {
     "process_input_kernel": "rest",
     "some_unknown_kernel_xyz": "other",
 }
+# results/h100/mxfp8-w8a8/profile.json (W8A8 MXFP8, EP slice, decode under CUDA graphs): vLLM's
+# CUTLASS grouped fp8 MoE GEMM and the kernel that writes its per-expert pointers first.
+W8A8_GROUPED_GEMM = (
+    "void cutlass::device_kernel<(anonymous namespace)::cutlass_3x_group_gemm<cutlass::"
+    "float_e4m3_t, cutlass::bfloat16_t, cutlass::arch::Sm90, vllm::c3x::ScaledEpilogueArray, "
+    "cute::tuple<cute::C<128>, cute::C<16>, cute::C<256> >, cute::tuple<cute::C<2>, cute::C<1>, "
+    "cute::C<1> >, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum, "
+    "cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, true>::GemmKernel>((anonymous "
+    "namespace)::cutlass_3x_group_gemm<cutlass::float_e4m3_t, cutlass::bfloat16_t, cutlass::"
+    "arch::Sm90, vllm::c3x::ScaledEpilogueArray, cute::tuple<cute::C<128>, cute::C<16>, "
+    "cute::C<256> >, cute::tuple<cute::C<2>, cute::C<1>, cute::C<1> >, cutlass::gemm::"
+    "KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum, cutlass::epilogue::"
+    "PtrArrayTmaWarpSpecializedPingpong, true>::GemmKernel::Params)"
+)
+W8A8_GROUPED_GEMM_SETUP = (
+    "void get_group_gemm_starts<cutlass::float_e4m3_t, cutlass::bfloat16_t, float>(long*, "
+    "cutlass::float_e4m3_t**, cutlass::float_e4m3_t**, cutlass::bfloat16_t**, float**, float**, "
+    "cutlass::float_e4m3_t*, cutlass::float_e4m3_t*, cutlass::bfloat16_t*, float*, float*, long, "
+    "long, bool, bool)"
+)
+REAL_NAMES[W8A8_GROUPED_GEMM] = "moe_gemm"
+REAL_NAMES[W8A8_GROUPED_GEMM_SETUP] = "moe_gemm"
 VLLM = Path(__import__("vllm").__file__).parent
 # The M3 model's own Triton kernels (vllm/models/minimax_m3/{common,nvidia}), by the family
 # their source file says.
@@ -208,6 +230,32 @@ def test_humming_gemm_is_the_moe_or_a_linear_layer_by_its_launch():
     assert place(direct_launch=False, humming_moe={name: True}) == "moe_gemm"
     assert place(direct_launch=False, humming_moe={name: False}) == "linear_gemm"
     assert place(direct_launch=False, humming_moe={"another": True}) == "gemm_unresolved"
+
+
+# The other grouped MoE GEMMs' setup kernels, named as vLLM 0.34.0's csrc declares and launches
+# them, their argument lists shortened (no trace of them here): cutlass_w4a8/get_group_starts.cuh,
+# fp4/nvfp4_blockwise_moe_kernel.cu and fp4/mxfp4_blockwise_moe_kernel.cu.
+GROUPED_GEMM_SETUPS = (
+    W8A8_GROUPED_GEMM_SETUP,
+    "void get_group_gemm_starts<cutlass::float_e4m3_t, int, cutlass::bfloat16_t, float, cutlass::"
+    "Array<cutlass::float_e4m3_t, 8, false> >(long*, cutlass::float_e4m3_t**, int**)",
+    "void __get_group_gemm_starts<cutlass::float_e2m1_t, cutlass::bfloat16_t, cutlass::"
+    "float_ue4m3_t, float>(cutlass::float_e2m1_t**, cutlass::float_e2m1_t**)",
+    "void __mxfp4_get_group_gemm_starts<cutlass::float_e2m1_t, cutlass::bfloat16_t, cutlass::"
+    "float_ue8m0_t>(cutlass::float_e2m1_t**, cutlass::float_e2m1_t**)",
+)
+
+
+@pytest.mark.parametrize("name", GROUPED_GEMM_SETUPS)
+def test_the_grouped_moe_gemms_setup_kernel_is_the_moes_in_a_cuda_graph_too(name):
+    """Under CUDA graphs (decode) no launch lies in the MoE experts' range, so the name alone
+    must place the setup kernel; a direct launch inside the range (prefill) agrees."""
+    family, kind = classify(name)
+    assert (family, kind) == ("moe_gemm", "CUTLASS grouped GEMM setup")
+    graph = {"in_moe": False, "direct_launch": False, "moe_ranges_seen": False}
+    assert resolve(family, kind, name, **graph)[0] == "moe_gemm"
+    direct = {"in_moe": True, "direct_launch": True, "moe_ranges_seen": True}
+    assert resolve(family, kind, name, **direct)[0] == "moe_gemm"
 
 
 def test_the_moe_range_makes_any_gemm_the_moes_and_leaves_the_rest_alone():
