@@ -123,6 +123,19 @@ W8A8_GROUPED_GEMM_SETUP = (
 )
 REAL_NAMES[W8A8_GROUPED_GEMM] = "moe_gemm"
 REAL_NAMES[W8A8_GROUPED_GEMM_SETUP] = "moe_gemm"
+# The same profile's router GEMMs (vLLM's GateLinear): the CuTe-DSL fp32-weight dot product at
+# decode (the kernel of the JIT warm-up's LLFp32WGemm), the bf16x3 kernel at prefill.
+W8A8_ROUTER_DOTPROD = (
+    "kernel_cutlass_kernel_vllmmodel_executorkernelslinearcute_dsl_ll_fp32w_dotprodLLFp32WDotprod_"
+    "object_at__tensorptrbf16gmemalign16o86144i64div81_tensorptrf32gmemalign32o6144i64div81_"
+    "tensorp_0"
+)
+REAL_NAMES[W8A8_ROUTER_DOTPROD] = "linear_gemm"
+REAL_NAMES[
+    "kernel_cutlass_kernel_vllmmodel_executorlayersfused_moerouterbf16x3_router_gemm_sm90_"
+    "Sm90BF16x3RouterGemm_object_at__CopyAtom_ThrID10_TVLayoutSrc1204801_TVLayoutDst1204801_"
+    "Valuetypef32_te_0"
+] = "linear_gemm"
 VLLM = Path(__import__("vllm").__file__).parent
 # The M3 model's own Triton kernels (vllm/models/minimax_m3/{common,nvidia}), by the family
 # their source file says.
@@ -256,6 +269,52 @@ def test_the_grouped_moe_gemms_setup_kernel_is_the_moes_in_a_cuda_graph_too(name
     assert resolve(family, kind, name, **graph)[0] == "moe_gemm"
     direct = {"in_moe": True, "direct_launch": True, "moe_ranges_seen": True}
     assert resolve(family, kind, name, **direct)[0] == "moe_gemm"
+
+
+# vLLM's GateLinear tiers' CuTe-DSL kernels: the modules that define them.
+GATE_CUTE_MODULES = (
+    "model_executor/kernels/linear/cute_dsl/_ll_fp32w_dotprod.py",
+    "model_executor/kernels/linear/cute_dsl/_ll_bf16_dotprod.py",
+    "model_executor/kernels/linear/cute_dsl/_ll_bf16_splitk.py",
+    "model_executor/layers/fused_moe/router/bf16x3_router_gemm_sm90.py",
+    "model_executor/layers/fused_moe/router/bf16x3_router_gemm_sm100.py",
+)
+
+
+def cute_kernel_names(relative: str) -> list[str]:
+    """The GPU kernel names the CuTe DSL gives the classes of vLLM module ``relative`` that
+    have a ``@cute.kernel`` method: ``kernel_cutlass_kernel_``, the module's dotted path
+    without its dots, the class's name, then the arguments (as in W8A8_ROUTER_DOTPROD)."""
+    module = "vllm" + relative.removesuffix(".py").replace("/", "")
+    tree = ast.parse((VLLM / relative).read_text())
+    return [
+        f"kernel_cutlass_kernel_{module}{node.name}_object_at__tensorptrf32gmem_0"
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+        and any(
+            "cute.kernel" in ast.unparse(decorator)
+            for item in node.body
+            if isinstance(item, ast.FunctionDef)
+            for decorator in item.decorator_list
+        )
+    ]
+
+
+def test_the_cute_dsl_naming_is_the_traces():
+    names = cute_kernel_names(GATE_CUTE_MODULES[0])
+    assert [name.split("_object_at_")[0] for name in names] == [
+        W8A8_ROUTER_DOTPROD.split("_object_at_")[0]
+    ]
+
+
+@pytest.mark.parametrize("relative", GATE_CUTE_MODULES)
+def test_every_router_gemm_of_gatelinear_is_a_linear_gemm(relative):
+    """The gate is a linear layer outside the MoE experts' range: each of its tiers' CuTe-DSL
+    kernels is a linear GEMM by its name, with the router's kind."""
+    names = cute_kernel_names(relative)
+    assert names, relative
+    for name in names:
+        assert classify(name) == ("linear_gemm", "vLLM router GEMM (GateLinear)"), name
 
 
 def test_the_moe_range_makes_any_gemm_the_moes_and_leaves_the_rest_alone():
