@@ -143,6 +143,16 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("rest", "KV-cache write", r"reshape_and_cache|concat_and_cache"),
     _p("rest", "norm", r"rms_?norm|layer_?norm|rsqrt"),
     _p("rest", "activation", r"silu|gelu|swiglu|act_and_mul"),
+    # vLLM's MoE permute and CUTLASS MoE data kernels (csrc/moe/moe_permute_unpermute_op.cu,
+    # moe/permute_unpermute_kernels/, quantization/w8a8/cutlass/moe/moe_data.cu), ahead of
+    # 'quantization' and 'sampling', which ``fp8`` in their template arguments and ``sort``
+    # would otherwise pick; the MoE routing line below has the rest of them.
+    _p(
+        "rest",
+        "MoE routing",
+        r"expandInputRows|shuffleInputRows|preprocessTopkId|compute_problem_sizes"
+        r"|compute_arg_sorts|compute_batched_moe_data",
+    ),
     _p("rest", "quantization", r"quant|fp8|process_input_kernel|token_scales"),
     _p("rest", "rotary", r"rotary|rope_"),
     _p(

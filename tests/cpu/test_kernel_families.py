@@ -317,6 +317,27 @@ def test_every_router_gemm_of_gatelinear_is_a_linear_gemm(relative):
         assert classify(name) == ("linear_gemm", "vLLM router GEMM (GateLinear)"), name
 
 
+# vLLM's MoE permute and CUTLASS MoE data kernels: the first three as the W8A8 profile's decode
+# trace names them (expandInputRowsKernel was 'quantization' by its fp8 argument,
+# preprocessTopkIdKernel 'other'), the others as vLLM 0.34.0's csrc declares them
+# (moe/moe_permute_unpermute_op.cu, quantization/w8a8/cutlass/moe/moe_data.cu), shortened.
+MOE_DATA_KERNELS = (
+    "void expandInputRowsKernel<__nv_fp8_e4m3, false>(__nv_fp8_e4m3 const*, __nv_fp8_e4m3*, "
+    "int const*, int*, int*, long const*, long, long const*, long, long, int)",
+    "preprocessTopkIdKernel(int*, int, int const*, int)",
+    "void compute_problem_sizes_from_expert_offsets<true>(long const*, int*, int*, int, int, int)",
+    "void shuffleInputRowsKernel<__nv_fp8_e4m3>(__nv_fp8_e4m3 const*, int const*)",
+    "void compute_problem_sizes<false>(int const*, int*, int*, int*, int, int, int)",
+    "compute_arg_sorts(int const*, int*, int*, int*, int*, int, int)",
+    "void compute_batched_moe_data<true>(int*, int*, int*, int const*, int, int, int)",
+)
+
+
+@pytest.mark.parametrize("name", MOE_DATA_KERNELS)
+def test_the_moes_permute_and_data_kernels_are_its_routing(name):
+    assert classify(name) == ("rest", "MoE routing")
+
+
 def test_the_moe_range_makes_any_gemm_the_moes_and_leaves_the_rest_alone():
     def placed(name):
         family, kind = classify(name)
