@@ -1,16 +1,17 @@
 """Which family a GPU kernel of a MiniMax M3 engine step belongs to, by its name.
 
 The families: ``moe_gemm`` (the routed experts' GEMMs: Humming's grouped or indexed GEMM,
-vLLM's CUTLASS grouped fp8 GEMM, Triton's ``fused_moe_kernel``, Marlin's MoE),
-``linear_gemm`` (every other GEMM: Humming's linear GEMM, CUTLASS ``scaled_mm``, cuBLAS's
-``nvjet``/``xmma`` kernels), ``attention`` (FlashInfer's MSA sparse prefill and decode,
-vLLM's Triton sparse attention, FlashAttention on the dense layers), ``indexer`` (the
-lightning indexer's proxy score and top-k), ``communication`` (NCCL, vLLM's custom
-all-reduce), ``rest`` (norms, activations, quantization, rotary, KV-cache writes, MoE
-routing, sampling, Inductor's fused kernels, PyTorch's own, copies; each with a ``kind``),
-``gemm_unresolved`` (a Humming GEMM whose launch no range places: it is the MoE's or a
-linear layer's, and its name does not say which) and ``other`` (no pattern matched: the
-report lists these names so that ``PATTERNS`` can be extended).
+vLLM's CUTLASS grouped fp8 GEMM with its argument-setup kernel, Triton's
+``fused_moe_kernel``, Marlin's MoE), ``linear_gemm`` (every other GEMM: Humming's linear
+GEMM, CUTLASS ``scaled_mm``, cuBLAS's ``nvjet``/``xmma`` kernels, the MoE router's
+``GateLinear``), ``attention`` (FlashInfer's MSA sparse prefill and decode, vLLM's Triton
+sparse attention, FlashAttention on the dense layers), ``indexer`` (the lightning indexer's
+proxy score and top-k), ``communication`` (NCCL, vLLM's custom all-reduce), ``rest`` (norms,
+activations, quantization, rotary, KV-cache writes, MoE routing, sampling, Inductor's fused
+kernels, PyTorch's own, copies; each with a ``kind``), ``gemm_unresolved`` (a Humming GEMM
+whose launch no range places: it is the MoE's or a linear layer's, and its name does not say
+which) and ``other`` (no pattern matched: the report lists these names so that ``PATTERNS``
+can be extended).
 
 ``PATTERNS`` is ordered, and the first match wins (case-insensitive ``re.search``).
 FlashInfer 0.7.4 names its generated Hopper MSA programs ``kernel_cake_hopper_msa_<20 hex>``
@@ -112,10 +113,27 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("attention", "Triton attention", r"unified_attention|paged_attention"),
     _p("moe_gemm", "Triton fused_moe", r"fused_moe_kernel"),
     _p("moe_gemm", "CUTLASS grouped GEMM", r"GroupProblemShape|PtrArray|grouped_mm|cutlass_moe"),
+    # The one-block kernel that vLLM's CUTLASS grouped MoE GEMMs launch, inside the same op and
+    # just before the GEMM, to write each expert's A, B, C and scale pointers (vLLM 0.34.0's
+    # csrc: get_group_gemm_starts of quantization/w8a8/cutlass/moe and cutlass_w4a8,
+    # __get_group_gemm_starts of fp4's nvfp4 MoE, __mxfp4_get_group_gemm_starts). Under CUDA
+    # graphs no MoE range places it, and the generic ``gemm`` below would make it a linear's.
+    _p("moe_gemm", "CUTLASS grouped GEMM setup", r"get_group_gemm_starts"),
     _p("moe_gemm", "Marlin MoE", r"marlin_moe|MarlinMoE|moe_wna16"),
     # Humming's GEMM (humming/kernel/humming.py: the template ``humming<MmaOpClass, ...>``),
     # demangled or not; MoE or linear is for ``resolve`` to say.
     _p("gemm_unresolved", HUMMING_KIND, r"(^|[\s:])humming<|^_Z7hummingI|^humming$"),
+    # vLLM's GateLinear, the MoE router's gate: a linear layer, run outside the experts' range.
+    # Its tiers' kernels (vllm/model_executor/layers/fused_moe/router/gate_linear.py): the
+    # JIT warm-up's LLFp32WGemm compiles the CuTe-DSL class LLFp32WDotprod, whose name is the
+    # GPU kernel's (kernel_cutlass_kernel_<module><class>_...), as LLBf16Gemm's are
+    # LLBf16Dotprod and LLBf16SplitK: no 'gemm' in them, so they fell to 'other'. The bf16x3
+    # and precompiled fp32 tiers' names say 'gemm' and were linear GEMMs already.
+    _p(
+        "linear_gemm",
+        "vLLM router GEMM (GateLinear)",
+        r"LLFp32WDotprod|LLBf16(Dotprod|SplitK)|BF16x3RouterGemm|fp32_router_gemm",
+    ),
     _p("linear_gemm", "cuBLAS", r"nvjet_|xmma_gemm|s16816gemm|s1688gemm|gemv|splitKreduce|cublas"),
     _p("linear_gemm", "Triton GEMM", r"block_scaled_mm|matmul"),
     # ``gemm`` not followed by ``a``: Gemma's norm kernels (``_gemma_rmsnorm_kernel``) are
@@ -125,6 +143,16 @@ PATTERNS: tuple[Pattern, ...] = (
     _p("rest", "KV-cache write", r"reshape_and_cache|concat_and_cache"),
     _p("rest", "norm", r"rms_?norm|layer_?norm|rsqrt"),
     _p("rest", "activation", r"silu|gelu|swiglu|act_and_mul"),
+    # vLLM's MoE permute and CUTLASS MoE data kernels (csrc/moe/moe_permute_unpermute_op.cu,
+    # moe/permute_unpermute_kernels/, quantization/w8a8/cutlass/moe/moe_data.cu), ahead of
+    # 'quantization' and 'sampling', which ``fp8`` in their template arguments and ``sort``
+    # would otherwise pick; the MoE routing line below has the rest of them.
+    _p(
+        "rest",
+        "MoE routing",
+        r"expandInputRows|shuffleInputRows|preprocessTopkId|compute_problem_sizes"
+        r"|compute_arg_sorts|compute_batched_moe_data",
+    ),
     _p("rest", "quantization", r"quant|fp8|process_input_kernel|token_scales"),
     _p("rest", "rotary", r"rotary|rope_"),
     _p(

@@ -101,6 +101,41 @@ REAL_NAMES: dict[str, str] = {
     "process_input_kernel": "rest",
     "some_unknown_kernel_xyz": "other",
 }
+# results/h100/mxfp8-w8a8/profile.json (W8A8 MXFP8, EP slice, decode under CUDA graphs): vLLM's
+# CUTLASS grouped fp8 MoE GEMM and the kernel that writes its per-expert pointers first.
+W8A8_GROUPED_GEMM = (
+    "void cutlass::device_kernel<(anonymous namespace)::cutlass_3x_group_gemm<cutlass::"
+    "float_e4m3_t, cutlass::bfloat16_t, cutlass::arch::Sm90, vllm::c3x::ScaledEpilogueArray, "
+    "cute::tuple<cute::C<128>, cute::C<16>, cute::C<256> >, cute::tuple<cute::C<2>, cute::C<1>, "
+    "cute::C<1> >, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum, "
+    "cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong, true>::GemmKernel>((anonymous "
+    "namespace)::cutlass_3x_group_gemm<cutlass::float_e4m3_t, cutlass::bfloat16_t, cutlass::"
+    "arch::Sm90, vllm::c3x::ScaledEpilogueArray, cute::tuple<cute::C<128>, cute::C<16>, "
+    "cute::C<256> >, cute::tuple<cute::C<2>, cute::C<1>, cute::C<1> >, cutlass::gemm::"
+    "KernelPtrArrayTmaWarpSpecializedPingpongFP8FastAccum, cutlass::epilogue::"
+    "PtrArrayTmaWarpSpecializedPingpong, true>::GemmKernel::Params)"
+)
+W8A8_GROUPED_GEMM_SETUP = (
+    "void get_group_gemm_starts<cutlass::float_e4m3_t, cutlass::bfloat16_t, float>(long*, "
+    "cutlass::float_e4m3_t**, cutlass::float_e4m3_t**, cutlass::bfloat16_t**, float**, float**, "
+    "cutlass::float_e4m3_t*, cutlass::float_e4m3_t*, cutlass::bfloat16_t*, float*, float*, long, "
+    "long, bool, bool)"
+)
+REAL_NAMES[W8A8_GROUPED_GEMM] = "moe_gemm"
+REAL_NAMES[W8A8_GROUPED_GEMM_SETUP] = "moe_gemm"
+# The same profile's router GEMMs (vLLM's GateLinear): the CuTe-DSL fp32-weight dot product at
+# decode (the kernel of the JIT warm-up's LLFp32WGemm), the bf16x3 kernel at prefill.
+W8A8_ROUTER_DOTPROD = (
+    "kernel_cutlass_kernel_vllmmodel_executorkernelslinearcute_dsl_ll_fp32w_dotprodLLFp32WDotprod_"
+    "object_at__tensorptrbf16gmemalign16o86144i64div81_tensorptrf32gmemalign32o6144i64div81_"
+    "tensorp_0"
+)
+REAL_NAMES[W8A8_ROUTER_DOTPROD] = "linear_gemm"
+REAL_NAMES[
+    "kernel_cutlass_kernel_vllmmodel_executorlayersfused_moerouterbf16x3_router_gemm_sm90_"
+    "Sm90BF16x3RouterGemm_object_at__CopyAtom_ThrID10_TVLayoutSrc1204801_TVLayoutDst1204801_"
+    "Valuetypef32_te_0"
+] = "linear_gemm"
 VLLM = Path(__import__("vllm").__file__).parent
 # The M3 model's own Triton kernels (vllm/models/minimax_m3/{common,nvidia}), by the family
 # their source file says.
@@ -208,6 +243,99 @@ def test_humming_gemm_is_the_moe_or_a_linear_layer_by_its_launch():
     assert place(direct_launch=False, humming_moe={name: True}) == "moe_gemm"
     assert place(direct_launch=False, humming_moe={name: False}) == "linear_gemm"
     assert place(direct_launch=False, humming_moe={"another": True}) == "gemm_unresolved"
+
+
+# The other grouped MoE GEMMs' setup kernels, named as vLLM 0.34.0's csrc declares and launches
+# them, their argument lists shortened (no trace of them here): cutlass_w4a8/get_group_starts.cuh,
+# fp4/nvfp4_blockwise_moe_kernel.cu and fp4/mxfp4_blockwise_moe_kernel.cu.
+GROUPED_GEMM_SETUPS = (
+    W8A8_GROUPED_GEMM_SETUP,
+    "void get_group_gemm_starts<cutlass::float_e4m3_t, int, cutlass::bfloat16_t, float, cutlass::"
+    "Array<cutlass::float_e4m3_t, 8, false> >(long*, cutlass::float_e4m3_t**, int**)",
+    "void __get_group_gemm_starts<cutlass::float_e2m1_t, cutlass::bfloat16_t, cutlass::"
+    "float_ue4m3_t, float>(cutlass::float_e2m1_t**, cutlass::float_e2m1_t**)",
+    "void __mxfp4_get_group_gemm_starts<cutlass::float_e2m1_t, cutlass::bfloat16_t, cutlass::"
+    "float_ue8m0_t>(cutlass::float_e2m1_t**, cutlass::float_e2m1_t**)",
+)
+
+
+@pytest.mark.parametrize("name", GROUPED_GEMM_SETUPS)
+def test_the_grouped_moe_gemms_setup_kernel_is_the_moes_in_a_cuda_graph_too(name):
+    """Under CUDA graphs (decode) no launch lies in the MoE experts' range, so the name alone
+    must place the setup kernel; a direct launch inside the range (prefill) agrees."""
+    family, kind = classify(name)
+    assert (family, kind) == ("moe_gemm", "CUTLASS grouped GEMM setup")
+    graph = {"in_moe": False, "direct_launch": False, "moe_ranges_seen": False}
+    assert resolve(family, kind, name, **graph)[0] == "moe_gemm"
+    direct = {"in_moe": True, "direct_launch": True, "moe_ranges_seen": True}
+    assert resolve(family, kind, name, **direct)[0] == "moe_gemm"
+
+
+# vLLM's GateLinear tiers' CuTe-DSL kernels: the modules that define them.
+GATE_CUTE_MODULES = (
+    "model_executor/kernels/linear/cute_dsl/_ll_fp32w_dotprod.py",
+    "model_executor/kernels/linear/cute_dsl/_ll_bf16_dotprod.py",
+    "model_executor/kernels/linear/cute_dsl/_ll_bf16_splitk.py",
+    "model_executor/layers/fused_moe/router/bf16x3_router_gemm_sm90.py",
+    "model_executor/layers/fused_moe/router/bf16x3_router_gemm_sm100.py",
+)
+
+
+def cute_kernel_names(relative: str) -> list[str]:
+    """The GPU kernel names the CuTe DSL gives the classes of vLLM module ``relative`` that
+    have a ``@cute.kernel`` method: ``kernel_cutlass_kernel_``, the module's dotted path
+    without its dots, the class's name, then the arguments (as in W8A8_ROUTER_DOTPROD)."""
+    module = "vllm" + relative.removesuffix(".py").replace("/", "")
+    tree = ast.parse((VLLM / relative).read_text())
+    return [
+        f"kernel_cutlass_kernel_{module}{node.name}_object_at__tensorptrf32gmem_0"
+        for node in tree.body
+        if isinstance(node, ast.ClassDef)
+        and any(
+            "cute.kernel" in ast.unparse(decorator)
+            for item in node.body
+            if isinstance(item, ast.FunctionDef)
+            for decorator in item.decorator_list
+        )
+    ]
+
+
+def test_the_cute_dsl_naming_is_the_traces():
+    names = cute_kernel_names(GATE_CUTE_MODULES[0])
+    assert [name.split("_object_at_")[0] for name in names] == [
+        W8A8_ROUTER_DOTPROD.split("_object_at_")[0]
+    ]
+
+
+@pytest.mark.parametrize("relative", GATE_CUTE_MODULES)
+def test_every_router_gemm_of_gatelinear_is_a_linear_gemm(relative):
+    """The gate is a linear layer outside the MoE experts' range: each of its tiers' CuTe-DSL
+    kernels is a linear GEMM by its name, with the router's kind."""
+    names = cute_kernel_names(relative)
+    assert names, relative
+    for name in names:
+        assert classify(name) == ("linear_gemm", "vLLM router GEMM (GateLinear)"), name
+
+
+# vLLM's MoE permute and CUTLASS MoE data kernels: the first three as the W8A8 profile's decode
+# trace names them (expandInputRowsKernel was 'quantization' by its fp8 argument,
+# preprocessTopkIdKernel 'other'), the others as vLLM 0.34.0's csrc declares them
+# (moe/moe_permute_unpermute_op.cu, quantization/w8a8/cutlass/moe/moe_data.cu), shortened.
+MOE_DATA_KERNELS = (
+    "void expandInputRowsKernel<__nv_fp8_e4m3, false>(__nv_fp8_e4m3 const*, __nv_fp8_e4m3*, "
+    "int const*, int*, int*, long const*, long, long const*, long, long, int)",
+    "preprocessTopkIdKernel(int*, int, int const*, int)",
+    "void compute_problem_sizes_from_expert_offsets<true>(long const*, int*, int*, int, int, int)",
+    "void shuffleInputRowsKernel<__nv_fp8_e4m3>(__nv_fp8_e4m3 const*, int const*)",
+    "void compute_problem_sizes<false>(int const*, int*, int*, int*, int, int, int)",
+    "compute_arg_sorts(int const*, int*, int*, int*, int*, int, int)",
+    "void compute_batched_moe_data<true>(int*, int*, int*, int const*, int, int, int)",
+)
+
+
+@pytest.mark.parametrize("name", MOE_DATA_KERNELS)
+def test_the_moes_permute_and_data_kernels_are_its_routing(name):
+    assert classify(name) == ("rest", "MoE routing")
 
 
 def test_the_moe_range_makes_any_gemm_the_moes_and_leaves_the_rest_alone():
