@@ -21,6 +21,7 @@ from vllm_minimax.memory_budget import (
     BudgetError,
     Parallelism,
     check_serving_config,
+    draft_bytes_per_gpu,
     kv_bytes_per_token,
     parameters_per_gpu,
     read_stated_budget,
@@ -324,8 +325,8 @@ def _names(model: str, checkpoint: str) -> bool:
 
 def test_no_known_checkpoint_fits_four_rtx_pro_6000():
     """At TP 4 + EP 4 neither published checkpoint whose layout is known fits a 96 GB card,
-    with or without the MTP modules; the file says so with these figures and launches no
-    known checkpoint."""
+    with or without the file's EAGLE3 draft; the file says so with these figures and launches
+    no known checkpoint."""
     import yaml
 
     text = RTX_4X.read_text()
@@ -334,14 +335,17 @@ def test_no_known_checkpoint_fits_four_rtx_pro_6000():
         keys["tensor-parallel-size"], enable_expert_parallel=keys["enable-expert-parallel"]
     )
     card = CARDS["RTX-PRO-6000-96GB"]
+    assert keys["speculative-config"]["model"] == EAGLE3.name
+    draft = draft_bytes_per_gpu(EAGLE3, keys["tensor-parallel-size"])
     for checkpoint in CHECKPOINTS.values():
-        for mtp_modules in (0, 7):
-            weights = sum(weight_bytes_per_gpu(checkpoint, parallelism, mtp_modules).values())
+        for with_draft in (False, True):
+            weights = sum(weight_bytes_per_gpu(checkpoint, parallelism, 0).values())
+            weights += draft if with_draft else 0.0
             assert weights / GIB > card.total_gib
             stated = f"{weights / GIB:.2f} GiB"
-            if checkpoint == BF16 and mtp_modules == 0:
-                continue  # the file states BF16 with MTP only
-            assert stated in text.replace("\n# ", " "), (checkpoint.name, mtp_modules, stated)
+            if checkpoint == BF16 and not with_draft:
+                continue  # the file states BF16 with the draft only
+            assert stated in text.replace("\n# ", " "), (checkpoint.name, with_draft, stated)
     assert f"({card.total_gib} GiB) a card" in text
     assert "No checkpoint whose layout this project has read fits this box" in text
     assert not [model for _, name, model in _launches() if name == RTX_4X.name]
