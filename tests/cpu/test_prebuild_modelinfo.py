@@ -9,6 +9,7 @@ place and its reading back are vLLM's own code, against the installed vLLM."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,13 @@ TEXT = "MiniMaxM3SparseForCausalLM"
 VL = "MiniMaxM3SparseForConditionalGeneration"
 
 
+CACHE_ROOT = "VLLM_CACHE_ROOT"
+
+
 @pytest.fixture
 def cache_root(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "vllm-cache"
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
+    monkeypatch.setenv(CACHE_ROOT, str(root))
     return root
 
 
@@ -42,9 +46,10 @@ def inspections(monkeypatch) -> list[object]:
     return calls
 
 
-def _as_a_fresh_server_reads(architecture: str):
-    """What a new process's registry finds for ``architecture``: a fresh lazy entry of the
-    same module and class, its cache looked up with the hash vLLM computes now."""
+def _as_a_fresh_server_reads(architecture: str, root: Path):
+    """What a new server with ``VLLM_CACHE_ROOT=root`` finds for ``architecture``: a fresh lazy
+    entry of the same module and class, its cache looked up with the hash vLLM computes now."""
+    os.environ[CACHE_ROOT] = str(root)  # as the test set it, whatever the prebuild did
     entry = registry.ModelRegistry.models[architecture]
     fresh = registry._LazyRegisteredModel(entry.module_name, entry.class_name)
     return fresh._load_modelinfo_from_cache(fresh._get_module_hash())
@@ -62,14 +67,14 @@ def test_the_mxfp8_slice_fills_what_a_fresh_server_reads(tmp_path, cache_root, i
     model = _rank_slice(tmp_path)
     architectures, source = prebuild_modelinfo.model_architectures(str(model))
     assert architectures == [TEXT] and source == str(model / "config.json")
-    assert _as_a_fresh_server_reads(TEXT) is None
+    assert _as_a_fresh_server_reads(TEXT, cache_root) is None
 
     entries = prebuild_modelinfo.fill_modelinfo_cache(architectures)
 
     path = cache_root / "modelinfos" / "vllm-models-minimax_m3-MiniMaxM3SparseForCausalLM.json"
     assert [(e.architecture, e.path, e.state) for e in entries] == [(TEXT, path, "written")]
-    assert len(inspections) == 1
-    found = _as_a_fresh_server_reads(TEXT)
+    assert len(inspections) == 1 and path.is_file()
+    found = _as_a_fresh_server_reads(TEXT, cache_root)
     assert found is not None and found.architecture == TEXT and found.supports_pp
     # The server's own lookup answers from the file, with no inspection.
     entry = registry.ModelRegistry.models[TEXT]
@@ -104,7 +109,7 @@ def test_the_published_architecture_and_a_dry_run(cache_root, inspections):
     [written] = prebuild_modelinfo.fill_modelinfo_cache(architectures)
 
     assert written.state == "written" and written.path.parent == cache_root / "modelinfos"
-    found = _as_a_fresh_server_reads(VL)
+    found = _as_a_fresh_server_reads(VL, cache_root)
     assert found is not None and found.architecture == VL and found.supports_multimodal
 
 
