@@ -85,6 +85,30 @@ def _registered(architecture: str) -> Any:
     return registered
 
 
+def _module_hash(registered: Any) -> str | None:
+    """The hash vLLM keys ``registered``'s model-info file on: 0.34.0's ``_get_module_hash``;
+    0.33.0 finds the module's file inline in ``inspect_model_cls`` (the registry's directory
+    for a ``vllm.model_executor.models.`` module, else the module spec's origin)."""
+    if hasattr(registered, "_get_module_hash"):
+        return registered._get_module_hash()
+    import importlib.util
+
+    from vllm.model_executor.models import registry
+
+    path: Path | None = None
+    if registered.module_name.startswith("vllm.model_executor.models."):
+        path = Path(registry.__file__).parent / f"{registered.module_name.split('.')[-1]}.py"
+    if path is None or not path.exists():
+        try:
+            spec = importlib.util.find_spec(registered.module_name)
+        except (ImportError, ValueError):
+            spec = None
+        path = Path(spec.origin) if spec is not None and spec.origin else None
+    if path is None or not path.exists():
+        return None
+    return registered._get_modelinfo_module_hash(path)
+
+
 def fill_modelinfo_cache(
     architectures: list[str], *, dry_run: bool = False
 ) -> list[ModelInfoEntry]:
@@ -103,7 +127,7 @@ def fill_modelinfo_cache(
     for architecture, registered in found:
         directory = registered._get_cache_dir()
         path = directory / registered._get_cache_filename()
-        module_hash = registered._get_module_hash()
+        module_hash = _module_hash(registered)
         if module_hash is None:
             raise PrebuildError(
                 f"vLLM finds no source of {registered.module_name} to hash: it keeps no model"

@@ -139,3 +139,15 @@ def test_a_config_of_no_registered_architecture_is_refused(tmp_path, cache_root)
     architectures, _ = prebuild_modelinfo.model_architectures(str(tmp_path))
     with pytest.raises(PrebuildError, match="has none of the architectures NoSuchForCausalLM"):
         prebuild_modelinfo.fill_modelinfo_cache(architectures)
+
+
+@pytest.mark.parametrize("architecture", [TEXT, "LlamaForCausalLM"])
+def test_the_hash_without_0_34s_helper_is_the_one_vllm_keys_on(architecture, monkeypatch):
+    """vLLM 0.33.0 has no ``_get_module_hash``: the prebuild finds the module's file as that
+    release's ``inspect_model_cls`` does, for a package and for a one-file model alike."""
+    entry = registry.ModelRegistry.models[architecture]
+    expected = entry._get_module_hash()
+    monkeypatch.delattr(registry._LazyRegisteredModel, "_get_module_hash")
+    assert not hasattr(entry, "_get_module_hash")
+    assert expected is not None
+    assert prebuild_modelinfo._module_hash(entry) == expected

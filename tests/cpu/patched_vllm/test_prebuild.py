@@ -574,13 +574,17 @@ def test_the_prebuild_fills_vllms_model_info_for_the_served_architecture(
 
     assert f"vLLM model info: {architecture}: {path} (written)\n" in capsys.readouterr().out
     fresh = registry._LazyRegisteredModel(entry.module_name, entry.class_name)
-    module_hash = fresh._get_module_hash()
     # The hash vLLM keys it on is of the patched tree's package (the series' files in it).
     origin = importlib.util.find_spec(entry.module_name).origin
     assert Path(origin).is_relative_to(patched_vllm_root)
     assert (Path(origin).parent / "nvidia" / "indexer_flashinfer_warmup.py").is_file()
-    found = fresh._load_modelinfo_from_cache(module_hash)
-    assert found is not None and found.architecture == architecture
+
+    # A fresh server's lookup (any release's) answers from the file, inspecting nothing.
+    def no_inspection(fn):
+        raise AssertionError("vLLM inspected the class: its model-info file missed")
+
+    monkeypatch.setattr(registry, "_run_in_subprocess", no_inspection)
+    assert fresh.inspect_model_cls().architecture == architecture
     assert prebuild.main(_prebuild_args(tmp_path)) == 0
     assert f"{path} (already current)" in capsys.readouterr().out
 
