@@ -17,8 +17,8 @@ geometries each engine registers; ``prebuild_programs`` runs the warm-ups' calls
 and checks the programs and writes the manifest. This module also checks the environment the
 build needs (FlashInfer's cache paths, the CUDA toolkit, ninja) and, for ``docker/prebuild.sh``,
 which FlashInfer kernel wheels an environment holds for another release. ``prebuild_modelinfo``
-fills vLLM's model-info cache for the model's architectures (in ``$VLLM_CACHE_ROOT``), which
-saves a start the registry's inspection of the model class.
+fills vLLM's model-info cache for the model's architectures (in ``$VLLM_CACHE_ROOT``), so a
+start need not import the model in a subprocess to inspect its class.
 
 Beside the cache (``<version>/<arch>/`` + ``PREBUILD_MANIFEST``) it records what the programs
 were built with; the engine's warm-up compares that with its own FlashInfer, CUDA toolkit and

@@ -5,7 +5,7 @@ Before it builds a model, vLLM 0.34.0 asks its registry what the model class sup
 ``$VLLM_CACHE_ROOT/modelinfos/<module>-<class>.json`` when that file's ``hash`` is the hash of
 the model package's ``.py`` files (every file under ``vllm/models/minimax_m3/``, the series'
 patched ones included); otherwise it imports the model module in a subprocess to inspect the
-class (27-32 s of a cold start on an H100) and writes the file. This module makes that same
+class and writes the file. This module makes that same
 registry call for the architectures of the model's ``config.json``, so vLLM writes the file
 where the server will read it; the import needs no GPU.
 """
