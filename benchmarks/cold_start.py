@@ -16,7 +16,8 @@ measured:
 
 - ``empty``: a fresh home; every compile cache empty, as on a new machine.
 - ``prebuilt``: a fresh home, with ``FLASHINFER_WORKSPACE_BASE`` the directory ``--prebuilt``
-  where `vllm-minimax warmup --prebuild` built, restored as the prebuild left it.
+  where `vllm-minimax warmup --prebuild` built, restored as the prebuild left it, and the
+  model-info file the prebuild wrote (``BASE/vllm/modelinfos``) in the home's vLLM cache.
 - ``carried``: the ``empty`` arm's home after its start, every cache it filled, in place.
 
 What it records: the seconds from launch to ``/health``; the phases of the start from vLLM's
@@ -233,6 +234,11 @@ def prepare_home(work: Path, name: str, arm: str, prebuilt: Path | None) -> dict
         else:
             _copy_tree(prebuilt, pristine)
         env["FLASHINFER_WORKSPACE_BASE"] = str(prebuilt)
+        # vLLM's model-info file the prebuild wrote (scripts/gpu-cold-start: VLLM_CACHE_ROOT
+        # BASE/vllm), where the server's vLLM reads it: XDG_CACHE_HOME/vllm.
+        modelinfos = prebuilt / "vllm" / "modelinfos"
+        if modelinfos.is_dir():
+            _copy_tree(modelinfos, home / ".cache" / "vllm" / "modelinfos")
     return env
 
 

@@ -16,7 +16,9 @@ vLLM); ``prebuild_geometry`` asks the patched vLLM, on a simulated SM90 GPU, whi
 geometries each engine registers; ``prebuild_programs`` runs the warm-ups' calls offline, builds
 and checks the programs and writes the manifest. This module also checks the environment the
 build needs (FlashInfer's cache paths, the CUDA toolkit, ninja) and, for ``docker/prebuild.sh``,
-which FlashInfer kernel wheels an environment holds for another release.
+which FlashInfer kernel wheels an environment holds for another release. ``prebuild_modelinfo``
+fills vLLM's model-info cache for the model's architectures (in ``$VLLM_CACHE_ROOT``), so a
+start need not import the model in a subprocess to inspect its class.
 
 Beside the cache (``<version>/<arch>/`` + ``PREBUILD_MANIFEST``) it records what the programs
 were built with; the engine's warm-up compares that with its own FlashInfer, CUDA toolkit and
@@ -34,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_minimax import flashinfer_offline as offline
-from vllm_minimax import warmup
+from vllm_minimax import prebuild_modelinfo, warmup
 from vllm_minimax.prebuild_geometry import (
     INDEXER_WARMUP_MODULE,
     Plan,
@@ -206,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         warmup.check_writable(location)
     _set_environment(location)
     model = read_model_geometry(args.model)
+    architectures, architectures_source = prebuild_modelinfo.model_architectures(args.model)
     offline.check_flashinfer()
     import importlib
     import importlib.util
@@ -219,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
     iw = importlib.import_module(INDEXER_WARMUP_MODULE)
     _say(f"FlashInfer {offline.VALIDATED_FLASHINFER}, cache {jit_dir}")
     _say(f"model: {model.source}")
+    modelinfo = prebuild_modelinfo.fill_modelinfo_cache(architectures, dry_run=args.dry_run)
+    _say(prebuild_modelinfo.summary(modelinfo, architectures_source))
     plans = _plans(configs, kv_cache_dtypes, model, gpus)
     if all(plan.indexer is None and plan.sparse_attention is None for plan in plans):
         raise PrebuildError("no engine of these configs runs a FlashInfer program on these GPUs")

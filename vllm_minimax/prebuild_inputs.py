@@ -179,9 +179,9 @@ def geometry_from_config_json(config: dict[str, Any], source: str) -> ModelGeome
     )
 
 
-def read_model_geometry(model: str) -> ModelGeometry:
-    """``model``'s geometry: its ``config.json`` (a local directory, or the Hugging Face
-    cache), else, for MiniMax M3's checkpoints, the published geometry."""
+def config_json_path(model: str) -> Path | None:
+    """Where ``model``'s ``config.json`` would be: in a local directory, else the Hugging Face
+    cache (no download); None where neither has it."""
     directory = Path(model).expanduser()
     candidate: Path | None = directory / "config.json" if directory.is_dir() else None
     if candidate is None and "/" in model and not model.startswith(("/", ".")):
@@ -193,6 +193,13 @@ def read_model_geometry(model: str) -> ModelGeometry:
             cached = None
         if isinstance(cached, str):
             candidate = Path(cached)
+    return candidate
+
+
+def read_model_geometry(model: str) -> ModelGeometry:
+    """``model``'s geometry: its ``config.json`` (a local directory, or the Hugging Face
+    cache), else, for MiniMax M3's checkpoints, the published geometry."""
+    candidate = config_json_path(model)
     if candidate is not None and candidate.is_file():
         try:
             config = json.loads(candidate.read_text(encoding="utf-8"))

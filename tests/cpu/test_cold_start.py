@@ -63,6 +63,18 @@ def test_prebuilt_arm_serves_the_prebuild_in_place_as_it_was_built(tmp_path):
     assert (prebuilt / ".cache" / "x.o").stat().st_mtime_ns == 10**18
 
 
+def test_prebuilt_arm_finds_the_prebuilds_vllm_model_info_in_its_home(tmp_path):
+    prebuilt = tmp_path / "prebuilt-tiny"
+    entry = prebuilt / "vllm" / "modelinfos" / "vllm-models-minimax_m3-M.json"
+    entry.parent.mkdir(parents=True)
+    entry.write_text('{"hash": "h"}')
+    env = cold_start.prepare_home(tmp_path, "tiny", "prebuilt", prebuilt)
+    # vLLM's default VLLM_CACHE_ROOT is XDG_CACHE_HOME/vllm; the server inherits no other.
+    served = Path(env["XDG_CACHE_HOME"]) / "vllm" / "modelinfos" / entry.name
+    assert served.read_text() == '{"hash": "h"}'
+    assert "VLLM_CACHE_ROOT" not in env
+
+
 def test_arms_that_need_an_earlier_one_say_so(tmp_path):
     with pytest.raises(SystemExit, match="run the empty arm first"):
         cold_start.prepare_home(tmp_path, "tiny", "carried", None)

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -525,12 +526,98 @@ def test_the_engines_check_waits_for_a_prebuild_holding_its_lock(cache):
     assert not manifest.exists() and not any(program.exists() for program in programs)
 
 
-def test_the_prebuild_holds_one_lock_over_its_check_build_and_write(cache, monkeypatch, tmp_path):
+@pytest.fixture
+def vllm_cache(tmp_path, monkeypatch) -> Path:
+    """``VLLM_CACHE_ROOT`` under tmp_path, vLLM's model-class inspection run in this process
+    (its ``_run_in_subprocess`` given the function to call)."""
+    from vllm.model_executor.models import registry
+
+    root = tmp_path / "vllm-cache"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
+    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: fn())
+    return root
+
+
+def _prebuild_args(tmp_path: Path, model: str = "MiniMaxAI/MiniMax-M3-MXFP8"):
+    import argparse
+
+    return argparse.Namespace(
+        cache_dir=tmp_path / "base",
+        config=[REPO / "configs/serve/h200-8x.yaml"],
+        gpu=["h200"],
+        kv_cache_dtype=["fp8"],
+        dry_run=False,
+        model=model,
+        jobs=1,
+        only=None,
+    )
+
+
+def test_the_prebuild_fills_vllms_model_info_for_the_served_architecture(
+    cache, vllm_cache, monkeypatch, tmp_path, capsys, patched_vllm_root
+):
+    """The patched model package (its hash covers the series' files) gets the file a fresh
+    server reads; the prebuild names it in one line. FlashInfer's builds are stand-ins."""
+    from vllm.model_executor.models import registry
+
+    monkeypatch.setattr(iw, "check_prebuilt_programs", lambda: None)
+    monkeypatch.setattr(prebuild, "plan_programs", lambda plan, builder: None)
+    monkeypatch.setattr(prebuild, "write_manifest", lambda *a: cache / iw.PREBUILD_MANIFEST)
+    monkeypatch.setattr(prebuild, "_set_environment", lambda location: None)
+    monkeypatch.setattr(prebuild, "_check_flashinfer_paths", lambda location: cache / "cached_ops")
+    monkeypatch.setattr(prebuild, "_check_toolchain", lambda: "/usr/local/cuda")
+    architecture = "MiniMaxM3SparseForConditionalGeneration"
+    entry = registry.ModelRegistry.models[architecture]
+    path = vllm_cache / "modelinfos" / entry._get_cache_filename()
+
+    assert prebuild.main(_prebuild_args(tmp_path)) == 0
+
+    assert f"vLLM model info: {architecture}: {path} (written)\n" in capsys.readouterr().out
+    fresh = registry._LazyRegisteredModel(entry.module_name, entry.class_name)
+    # The hash vLLM keys it on is of the patched tree's package (the series' files in it).
+    origin = importlib.util.find_spec(entry.module_name).origin
+    assert Path(origin).is_relative_to(patched_vllm_root)
+    assert (Path(origin).parent / "nvidia" / "indexer_flashinfer_warmup.py").is_file()
+
+    # A fresh server's lookup (any release's) answers from the file, inspecting nothing.
+    def no_inspection(fn):
+        raise AssertionError("vLLM inspected the class: its model-info file missed")
+
+    monkeypatch.setattr(registry, "_run_in_subprocess", no_inspection)
+    assert fresh.inspect_model_cls().architecture == architecture
+    assert prebuild.main(_prebuild_args(tmp_path)) == 0
+    assert f"{path} (already current)" in capsys.readouterr().out
+
+
+def test_an_unwritable_vllm_cache_stops_the_prebuild_before_it_builds(
+    cache, vllm_cache, monkeypatch, tmp_path, capsys
+):
+    built: list[object] = []
+    monkeypatch.setattr(prebuild, "plan_programs", lambda plan, builder: built.append(plan))
+    monkeypatch.setattr(prebuild, "_set_environment", lambda location: None)
+    monkeypatch.setattr(prebuild, "_check_flashinfer_paths", lambda location: cache / "cached_ops")
+    monkeypatch.setattr(prebuild, "_check_toolchain", lambda: "/usr/local/cuda")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(blocker / "vllm"))
+
+    assert prebuild.main(_prebuild_args(tmp_path)) == 2
+
+    err = capsys.readouterr().err
+    assert err == (
+        "vllm-minimax warmup --prebuild: error: vLLM's model-info cache"
+        f" {blocker}/vllm/modelinfos is not writable: {blocker} is not a directory (set"
+        " VLLM_CACHE_ROOT to the directory the server reads)\n"
+    )
+    assert built == []
+
+
+def test_the_prebuild_holds_one_lock_over_its_check_build_and_write(
+    cache, vllm_cache, monkeypatch, tmp_path
+):
     """`vllm-minimax warmup --prebuild` (prebuild.run) checks the cache, builds and writes
     its manifest under the lock the engine's check takes, held throughout; FlashInfer's
     paths, the toolchain and the builds are stand-ins (the slow test below runs them)."""
-    import argparse
-
     lock_path = cache / iw.PREBUILD_MANIFEST
     lock_path = lock_path.with_suffix(".lock")
     seen: dict[str, bool] = {}
@@ -551,17 +638,7 @@ def test_the_prebuild_holds_one_lock_over_its_check_build_and_write(cache, monke
     monkeypatch.setattr(prebuild, "_set_environment", lambda location: None)
     monkeypatch.setattr(prebuild, "_check_flashinfer_paths", lambda location: cache / "cached_ops")
     monkeypatch.setattr(prebuild, "_check_toolchain", lambda: "/usr/local/cuda")
-    args = argparse.Namespace(
-        cache_dir=tmp_path / "base",
-        config=[REPO / "configs/serve/h200-8x.yaml"],
-        gpu=["h200"],
-        kv_cache_dtype=["fp8"],
-        dry_run=False,
-        model="MiniMaxAI/MiniMax-M3-MXFP8",
-        jobs=1,
-        only=None,
-    )
-    assert prebuild.run(args) == 0
+    assert prebuild.run(_prebuild_args(tmp_path)) == 0
     assert seen == {"check": True, "build": True, "write": True}
     assert not _held_elsewhere(lock_path)
 
