@@ -15,9 +15,8 @@ builds the engine:
 - the draft ``MiniMaxM3MTP`` beside it in the same forward context (where a layer name
   shared with the target raises), then the same loader over the same checkpoint.
 
-Only the platform-bound choices vLLM makes at construction are pinned (this host has no
-GPU): the unquantized MoE backend and the full-attention backend (Triton); neither changes a
-parameter or layer name.
+Only the platform-bound choices vLLM makes at construction are pinned, as in
+mtp_draft_probe.py (this host has no GPU); neither changes a parameter or layer name.
 """
 
 from __future__ import annotations
@@ -28,21 +27,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mtp_draft_probe import _pin_platform_choices
+
 IMAGE_AND_VIDEO_OFF = {"image": 0, "video": 0}
-
-
-def _pin_platform_choices() -> None:
-    import vllm.model_executor.layers.attention.attention as attention
-    import vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method as moe_method
-    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    moe_method.select_unquantized_moe_backend = lambda moe_config: (
-        UnquantizedMoeBackend.TRITON,
-        None,
-    )
-    triton_attention = AttentionBackendEnum.TRITON_ATTN.get_class()
-    attention.get_attn_backend = lambda *args, **kwargs: triton_attention
 
 
 def _load(loader, model, model_config) -> str | None:

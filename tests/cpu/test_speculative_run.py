@@ -270,14 +270,15 @@ def test_the_published_layout_declares_a_module_and_carries_none(tmp_path: Path)
 
 
 def test_the_published_layout_renames_the_index_too(tmp_path: Path) -> None:
+    from vllm_minimax.checkpoint_weights import INDEX_FILE
     from vllm_minimax.tiny_model import write_tiny_config_files
 
     target = tmp_path / "tiny"
     write_tiny_config_files(target)
     index = {"metadata": {"total_size": 4}, "weight_map": {"lm_head.weight": "a.safetensors"}}
-    (target / speculative_run.SAFETENSORS_INDEX).write_text(json.dumps(index))
+    (target / INDEX_FILE).write_text(json.dumps(index))
     work = speculative_run.published_layout(target, tmp_path / "work")
-    written = json.loads((work / speculative_run.SAFETENSORS_INDEX).read_text())
+    written = json.loads((work / INDEX_FILE).read_text())
     assert written == {**index, "weight_map": {"language_model.lm_head.weight": "a.safetensors"}}
 
 

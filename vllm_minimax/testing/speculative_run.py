@@ -155,6 +155,7 @@ def published_layout(target: Path, work: Path, mtp_modules: int = 1) -> Path:
 
     The text-only architecture cannot serve here: its layers are ``model.layers.{i}``, the
     names ``MiniMaxM3MTP`` gives its own modules."""
+    from vllm_minimax.checkpoint_weights import INDEX_FILE
     from vllm_minimax.tiny_model import (
         PUBLISHED_MODEL_TYPE,
         PUBLISHED_MODEL_TYPE_LAYOUT,
@@ -170,7 +171,7 @@ def published_layout(target: Path, work: Path, mtp_modules: int = 1) -> Path:
         destination = work / entry.name
         if entry.suffix == ".safetensors":
             prefix_safetensors_names(entry, destination, LANGUAGE_MODEL_PREFIX)
-        elif entry.name == SAFETENSORS_INDEX:
+        elif entry.name == INDEX_FILE:
             index = json.loads(entry.read_text())
             index["weight_map"] = {
                 LANGUAGE_MODEL_PREFIX + name: shard for name, shard in index["weight_map"].items()
@@ -189,7 +190,6 @@ def published_layout(target: Path, work: Path, mtp_modules: int = 1) -> Path:
 
 # The published checkpoints' name prefix of the text model's tensors.
 LANGUAGE_MODEL_PREFIX = "language_model."
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def prefix_safetensors_names(source: Path, destination: Path, prefix: str) -> None:
