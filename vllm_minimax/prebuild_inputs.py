@@ -196,23 +196,36 @@ def config_json_path(model: str) -> Path | None:
     return candidate
 
 
+def read_config_json(model: str) -> tuple[Any, str] | None:
+    """``model``'s parsed ``config.json`` (:func:`config_json_path`) and its path; None where
+    there is none here."""
+    candidate = config_json_path(model)
+    if candidate is None or not candidate.is_file():
+        return None
+    try:
+        return json.loads(candidate.read_text(encoding="utf-8")), str(candidate)
+    except (OSError, ValueError) as error:
+        raise PrebuildError(f"{candidate}: cannot be read ({error})") from None
+
+
+def no_config_json(model: str) -> PrebuildError:
+    """The error for a model with no ``config.json`` here and no published stand-in."""
+    return PrebuildError(
+        f"no config.json for model {model!r} here (not a directory, not in the Hugging Face"
+        " cache): pass --model DIR holding the model's config.json"
+    )
+
+
 def read_model_geometry(model: str) -> ModelGeometry:
     """``model``'s geometry: its ``config.json`` (a local directory, or the Hugging Face
     cache), else, for MiniMax M3's checkpoints, the published geometry."""
-    candidate = config_json_path(model)
-    if candidate is not None and candidate.is_file():
-        try:
-            config = json.loads(candidate.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as error:
-            raise PrebuildError(f"{candidate}: cannot be read ({error})") from None
-        return geometry_from_config_json(config, str(candidate))
+    found = read_config_json(model)
+    if found is not None:
+        return geometry_from_config_json(*found)
     if model.startswith(M3_CHECKPOINT_PREFIX):
         from vllm_minimax.m3_geometry import M3_TEXT_CONFIG
 
         return geometry_from_config_json(
             dict(M3_TEXT_CONFIG), f"MiniMax M3's published geometry (for {model})"
         )
-    raise PrebuildError(
-        f"no config.json for model {model!r} here (not a directory, not in the Hugging Face"
-        " cache): pass --model DIR holding the model's config.json"
-    )
+    raise no_config_json(model)

@@ -12,16 +12,16 @@ where the server will read it; the import needs no GPU.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_minimax import warmup
 from vllm_minimax.prebuild_inputs import (
     M3_CHECKPOINT_PREFIX,
     PrebuildError,
-    config_json_path,
+    no_config_json,
+    read_config_json,
 )
 from vllm_minimax.tiny_model import VL_ARCHITECTURE
 
@@ -37,38 +37,25 @@ def model_architectures(model: str) -> tuple[list[str], str]:
     """The ``architectures`` of ``model``'s ``config.json`` (none where it names none) and
     where they came from; for MiniMax M3's checkpoints without one here, the published
     checkpoints' (the vision-language wrapper around the text model)."""
-    candidate = config_json_path(model)
-    if candidate is not None and candidate.is_file():
-        try:
-            config = json.loads(candidate.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as error:
-            raise PrebuildError(f"{candidate}: cannot be read ({error})") from None
+    found = read_config_json(model)
+    if found is not None:
+        config, source = found
         architectures = config.get("architectures") if isinstance(config, dict) else None
         if architectures is None:
-            return [], str(candidate)
+            return [], source
         if not isinstance(architectures, list) or not all(
             isinstance(name, str) for name in architectures
         ):
-            raise PrebuildError(f"{candidate}: architectures is not a list of names")
-        return list(architectures), str(candidate)
+            raise PrebuildError(f"{source}: architectures is not a list of names")
+        return list(architectures), source
     if model.startswith(M3_CHECKPOINT_PREFIX):
         return [VL_ARCHITECTURE], f"MiniMax M3's published architecture (for {model})"
-    raise PrebuildError(
-        f"no config.json for model {model!r} here (not a directory, not in the Hugging Face"
-        " cache): pass --model DIR holding the model's config.json"
-    )
+    raise no_config_json(model)
 
 
 def _check_writable(directory: Path) -> None:
     """Raise PrebuildError unless ``directory`` can be made and written. Creates nothing."""
-    existing = directory
-    while not existing.exists():
-        existing = existing.parent
-    reason = None
-    if not existing.is_dir():
-        reason = f"{existing} is not a directory"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        reason = f"no write permission on {existing}"
+    reason = warmup.unwritable_reason(directory)
     if reason is not None:
         raise PrebuildError(
             f"vLLM's model-info cache {directory} is not writable: {reason} (set VLLM_CACHE_ROOT"

@@ -52,22 +52,32 @@ def cache_location(cache_dir: Path | None) -> CacheLocation:
     return CacheLocation(base, base / ".cache" / "flashinfer")
 
 
+def deepest_existing(path: Path) -> Path:
+    """``path`` itself if it exists, else its deepest existing parent."""
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def unwritable_reason(directory: Path) -> str | None:
+    """Why ``directory`` cannot be made and written (its deepest existing parent is not a
+    directory, or not writable), or None where it can. Creates nothing."""
+    existing = deepest_existing(directory)
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"no write permission on {existing}"
+    return None
+
+
 def check_writable(location: CacheLocation, min_free_bytes: int = MIN_FREE_BYTES) -> None:
     """Raise WarmupError unless the cache directory can take the build. Creates
     nothing: the deepest existing directory on its path must be writable."""
     root = location.flashinfer_root
-    existing = root
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise WarmupError(
-            f"FlashInfer cache directory {root} is not writable: {existing} is not a directory"
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise WarmupError(
-            f"FlashInfer cache directory {root} is not writable: no write permission on {existing}"
-        )
-    free = shutil.disk_usage(existing).free
+    reason = unwritable_reason(root)
+    if reason is not None:
+        raise WarmupError(f"FlashInfer cache directory {root} is not writable: {reason}")
+    free = shutil.disk_usage(deepest_existing(root)).free
     if free < min_free_bytes:
         raise WarmupError(
             f"FlashInfer cache directory {root} has {free // 2**20} MiB free; the warm-up"
