@@ -442,13 +442,14 @@ def _minutes(value: float | None) -> str:
 
 # --- the time plan ---------------------------------------------------------------------------
 
-# Seconds, on the H200 (docs/served-ab.md, "How long": the 2026-12-06 starts and probe): a
-# start with the machine's compile caches empty (first server of the sitting), a later arm's
-# first start (the shared caches warm), and per point its warm-up and one round.
+# Seconds (docs/served-ab.md, "How long"): per card, a start with the machine's compile caches
+# empty (first server of the sitting) and a later arm's first start (the shared caches warm;
+# the H100's is the series arm's after stock's, FlashInfer programs built), "h200" where the
+# card has none measured; per point its warm-up and one round (the H200's 2026-12-06 probe).
 PLAN: dict[str, dict[str, Any]] = {
     "mxfp8-ep": {
-        "start_first_s": 311,
-        "start_next_s": 150,
+        # H200: 2026-12-06 (311 s, then 145 s); H100: the 2026-12-07 served A/B (315, 277 s).
+        "starts_s": {"h200": (311, 150), "h100": (315, 277)},
         "stop_s": 10,
         "points": {
             "prefill-128k-c1": (6, 6),
@@ -459,8 +460,7 @@ PLAN: dict[str, dict[str, Any]] = {
         },
     },
     "fp8-online": {
-        "start_first_s": 300,
-        "start_next_s": 80,
+        "starts_s": {"h200": (300, 80)},
         "stop_s": 10,
         "points": {
             "prefill-128k-c1": (4, 4),
@@ -494,7 +494,8 @@ def plan(
         for point, (warmup, each) in table["points"].items()
         if point in chosen
     )
-    starts_s = table["start_first_s"] + (arms - 1) * table["start_next_s"]
+    first_s, next_s = table["starts_s"].get(gpu, table["starts_s"]["h200"])
+    starts_s = first_s + (arms - 1) * next_s
     total = starts_s + arms * (per_arm_points + table["stop_s"])
     return {
         "gpu": gpu,
@@ -502,6 +503,7 @@ def plan(
         "arms": arms,
         "rounds": rounds,
         "starts_s": starts_s,
+        "starts_from": gpu if gpu in table["starts_s"] else "h200",
         "points_s_per_arm": per_arm_points,
         "total_s": total,
     }
@@ -553,6 +555,7 @@ def run_plan(args: argparse.Namespace) -> int:
         f"{args.slice} on {args.gpu}, {args.arms} arms x {args.rounds} rounds:"
         f" starts {estimate['starts_s']} s + {args.arms} x {estimate['points_s_per_arm']} s of"
         f" points (+ stops) = {estimate['total_s']} s ({estimate['total_s'] / 60:.1f} min)"
+        + ("" if estimate["starts_from"] == args.gpu else "; starts as on the H200 (none measured)")
     )
     if args.budget_s is not None and estimate["total_s"] > args.budget_s:
         print(f"over the budget of {args.budget_s} s by {estimate['total_s'] - args.budget_s} s")

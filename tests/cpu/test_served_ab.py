@@ -212,9 +212,17 @@ def test_the_plan_adds_starts_warm_ups_rounds_and_stops():
     estimate = served_ab.plan("h200", "mxfp8-ep", 3)
     per_arm = sum(w + 3 * r for p, (w, r) in table["points"].items() if p != "decode-32k-c64")
     assert estimate["points_s_per_arm"] == per_arm
-    assert estimate["starts_s"] == table["start_first_s"] + 2 * table["start_next_s"]
+    first_s, next_s = table["starts_s"]["h200"]
+    assert estimate["starts_s"] == first_s + 2 * next_s
     assert estimate["total_s"] == estimate["starts_s"] + 3 * (per_arm + table["stop_s"])
     h100 = served_ab.plan("h100", "mxfp8-ep", 3)
+    # Each card's own starts: the H100's later start builds FlashInfer's programs.
+    first_s, next_s = table["starts_s"]["h100"]
+    assert (h100["starts_s"], h100["starts_from"]) == (first_s + 2 * next_s, "h100")
+    assert h100["starts_s"] > estimate["starts_s"]
+    online = served_ab.plan("h100", "fp8-online", 2)
+    assert online["starts_from"] == "h200"
+    assert online["starts_s"] == sum(served_ab.PLAN["fp8-online"]["starts_s"]["h200"])
     assert (
         h100["points_s_per_arm"]
         == per_arm
