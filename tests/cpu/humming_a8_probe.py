@@ -3,9 +3,10 @@ this CPU host, as an SM90 GPU would get it; print JSON.
 
     VLLM_HUMMING_INPUT_QUANT_CONFIG=... python tests/cpu/humming_a8_probe.py [VALUE ...]
 
-Run in a subprocess by test_humming_a8_arm.py. For the variable as this process has it, then
-for each VALUE in its place (``-``: unset), through vLLM's own code paths with the platform
-reporting capability 9.0 and Humming's device queries answered for SM90 (no kernel runs):
+Run by test_humming_a8_arm.py (in a process forked from its probe host, probe_host.py). For
+the variable as this process has it, then for each VALUE in its place (``-``: unset), through
+vLLM's own code paths with the platform reporting capability 9.0 and Humming's device queries
+answered for SM90 (no kernel runs):
 
 - ``parsed``: what ``vllm.envs`` parses it into;
 - ``moe``: the input schema ``convert_to_humming_moe_kernel_format`` (utils/humming/moe.py)

@@ -1,10 +1,10 @@
 """evals/mxfp8-humming-a8-arm.yaml, issue 62's Humming fp8-input arm: its environment as the
 served A/B hands it to that arm's server (benchmarks.served_ab fourth-arm, eval ab's --arm-env),
 parsed by vLLM 0.34.0's own envs parser and followed through vLLM's and Humming's code with the
-platform reporting an SM90 GPU (humming_a8_probe.py, in a subprocess; no kernel runs). The
-routed experts get e4m3 inputs with a dynamic scale per token; the MXFP8 linear layers keep
-bf16 inputs. Controls: the variable unset, with ``allow_fallback``, with groups of 128, and with
-MXFP8-style groups of 32."""
+platform reporting an SM90 GPU (humming_a8_probe.py, forked from the session's probe host; no
+kernel runs). The routed experts get e4m3 inputs with a dynamic scale per token; the MXFP8
+linear layers keep bf16 inputs. Controls: the variable unset, with ``allow_fallback``, with
+groups of 128, and with MXFP8-style groups of 32."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from patchset_helpers import run_json_probe
+from probe_host import ProbeHost
 
 from benchmarks import served_ab
 from vllm_minimax.evals import ab
@@ -50,9 +51,11 @@ def arm_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def probed() -> dict:
+def probed(vllm_probe_host: ProbeHost) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_HUMMING_")}
-    report = run_json_probe(PROBE, *CONTROLS.values(), timeout=900, env=env | arm_env())
+    report = run_json_probe(
+        PROBE, *CONTROLS.values(), timeout=900, env=env | arm_env(), host=vllm_probe_host
+    )
     controls = dict(zip(CONTROLS, report["values"], strict=True))
     return {"arm": report["as_set"], **controls, "checkpoint": report["humming_quantization"]}
 

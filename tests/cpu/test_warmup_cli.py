@@ -4,11 +4,10 @@ FlashInfer's cache path is keyed on its version and GPU architecture."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from probe_host import ProbeHost
 
 from vllm_minimax import warmup
 from vllm_minimax.cli import main
@@ -84,19 +83,22 @@ def test_other_version_and_arch_caches_are_named_ignored(tmp_path):
 
 
 @pytest.mark.slow
-def test_flashinfer_keys_its_cache_on_version_and_arch(tmp_path):
+def test_flashinfer_keys_its_cache_on_version_and_arch(tmp_path, vllm_probe_host: ProbeHost):
     """FlashInfer 0.7.4 itself puts its JIT cache (nvcc modules and CuTe-DSL
-    objects) under <version>/<arch>: another version's or GPU's cache is never read."""
-    probe = (
-        "import flashinfer, pathlib; from flashinfer.jit import env;"
-        "print(flashinfer.__version__); print(env.FLASHINFER_JIT_DIR)"
+    objects) under <version>/<arch>: another version's or GPU's cache is never read. The
+    probe imports FlashInfer afresh with the environment set, in a process forked from the
+    session's probe host (which has torch imported, not FlashInfer)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import flashinfer\nfrom flashinfer.jit import env\n"
+        "print(flashinfer.__version__); print(env.FLASHINFER_JIT_DIR)\n"
     )
     env = dict(
         os.environ, FLASHINFER_WORKSPACE_BASE=str(tmp_path), FLASHINFER_CUDA_ARCH_LIST="9.0a"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
-    ).stdout.split()
+    done = vllm_probe_host.run(probe, [], timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.split()
     version, jit_dir = out[-2], Path(out[-1])
     assert version == "0.7.4"
     assert jit_dir == tmp_path / ".cache" / "flashinfer" / "0.7.4" / "90a" / "cached_ops"
