@@ -194,6 +194,27 @@ def plan(config_json: dict[str, Any], serve_options: dict[str, Any], gpu: GpuTar
     return HummingPlan(gpu.name, humming_layers(text, tp, ep, moe_gemm_type(ep)))
 
 
+def plans_for(configs: list[Path], model: str, gpus: list[GpuTarget]) -> list[HummingPlan]:
+    """One plan per GPU and distinct set of layers of ``configs`` served with ``model``."""
+    from vllm_minimax.prebuild_inputs import read_config_json
+    from vllm_minimax.serve_config import ServeConfigError, read_serve_options
+
+    found = read_config_json(model)
+    if found is None:
+        why = f"no config.json for {model} here to tell its quantization (pass --model DIR)"
+        return [HummingPlan(gpu.name, [], why) for gpu in gpus]
+    plans: dict[tuple[str, tuple[HummingLayer, ...], str | None], HummingPlan] = {}
+    for config in configs:
+        try:
+            options = read_serve_options(config)
+        except ServeConfigError as error:
+            raise PrebuildError(str(error)) from None
+        for gpu in gpus:
+            item = plan(found[0], options, gpu)
+            plans.setdefault((item.gpu, tuple(item.layers), item.skipped), item)
+    return list(plans.values())
+
+
 def device_properties(gpu: GpuTarget) -> dict[str, Any]:
     """Humming's device object's answers for ``gpu`` (:data:`HUMMING_DEVICE`)."""
     return HUMMING_DEVICE | {"name": gpu.device_name, "sm_count": gpu.sm_count}
@@ -350,13 +371,15 @@ def check_writable(directory: Path) -> None:
 
 
 def check_compiler() -> str:
-    """Humming's compiler here, as the start would pick it; an error where it cannot run."""
+    """Humming's compiler here, as the start would pick it, with its include directories (in
+    the kernels' keys: the server must see the same CUDA_HOME); an error where it cannot run."""
     from humming.jit.runtime import KernelRuntime
 
     compiler = KernelRuntime._get_compiler()
     try:
-        return f"{compiler.__name__} ({compiler.signature()})"
-    except Exception as error:  # noqa: BLE001 - any failure means it cannot build here
+        includes = getattr(compiler, "_get_include_dirs", compiler.include_dirs)()
+        return f"{compiler.__name__} ({compiler.signature()}, includes {' '.join(includes)})"
+    except Exception as error:  # any failure means it cannot build here
         raise PrebuildError(f"Humming's {compiler.__name__} cannot run here: {error}") from None
 
 
