@@ -18,7 +18,9 @@ and checks the programs and writes the manifest. This module also checks the env
 build needs (FlashInfer's cache paths, the CUDA toolkit, ninja) and, for ``docker/prebuild.sh``,
 which FlashInfer kernel wheels an environment holds for another release. ``prebuild_modelinfo``
 fills vLLM's model-info cache for the model's architectures (in ``$VLLM_CACHE_ROOT``), so a
-start need not import the model in a subprocess to inspect its class.
+start need not import the model in a subprocess to inspect its class. ``prebuild_humming``
+builds an MXFP8 checkpoint's Humming GEMM kernels into ``$HUMMING_CACHE_DIR``, which the
+profile run would otherwise compile.
 
 Beside the cache (``<version>/<arch>/`` + ``PREBUILD_MANIFEST``) it records what the programs
 were built with; the engine's warm-up compares that with its own FlashInfer, CUDA toolkit and
