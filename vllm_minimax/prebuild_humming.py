@@ -103,14 +103,16 @@ def _per_rank(total: int, parts: int, what: str) -> int:
 
 
 def humming_layers(
-    text: dict[str, Any], tensor_parallel_size: int, expert_parallel: bool, moe_gemm_type: str
+    text: dict[str, Any], tensor_parallel_size: int, expert_parallel_size: int, moe_gemm_type: str
 ) -> list[HummingLayer]:
     """The distinct Humming GEMMs of one rank of MiniMax M3 (``text``: its text config), as
     vLLM 0.34.0's model builds them (vllm/models/minimax_m3/nvidia/model.py): attention's
     fused projection (q, k, v, and on sparse layers index_q and index_k) and o_proj, the
     dense layers' MLP (``dense_intermediate_size``), the MoE layers' shared expert and routed
     experts (both ``intermediate_size``). KV and index-q heads shard while there are at least
-    N of them, else each rank holds one; index_k is one head on every rank."""
+    N of them, else each rank holds one; index_k is one head on every rank. Under expert
+    parallelism (``expert_parallel_size`` > 1: TP x DP ranks) a rank holds that share of the
+    experts whole, else every expert at 1/TP of its width. Speculative drafts are not here."""
     tp = tensor_parallel_size
     try:
         hidden = int(text["hidden_size"])
@@ -144,8 +146,9 @@ def humming_layers(
         shared = _per_rank(intermediate, tp, "intermediate_size")
         add("shared expert gate_up_proj", 2 * shared, hidden)
         add("shared expert down_proj", hidden, shared)
-        if expert_parallel:
-            local, width = _per_rank(experts, tp, "num_local_experts"), intermediate
+        if expert_parallel_size > 1:
+            local = _per_rank(experts, expert_parallel_size, "num_local_experts")
+            width = intermediate
         else:
             local, width = experts, _per_rank(intermediate, tp, "intermediate_size")
         add("experts w13", 2 * width, hidden, local, moe_gemm_type)
@@ -168,9 +171,14 @@ def moe_gemm_type(expert_parallel: bool) -> str:
     return str(get_humming_moe_gemm_type(moe))  # type: ignore[arg-type]
 
 
-def plan(config_json: dict[str, Any], serve_options: dict[str, Any], gpu: GpuTarget) -> HummingPlan:
+def plan(
+    config_json: dict[str, Any],
+    tensor_parallel_size: int,
+    expert_parallel_size: int,
+    gpu: GpuTarget,
+) -> HummingPlan:
     """The layers to build for ``gpu``, or why none (not MXFP8, a GPU not known here, or a
-    config vLLM would not run through Humming's kernels this way)."""
+    Humming setting of vLLM's other than its default, which the prebuild does not follow)."""
     if gpu.name not in KNOWN_GPUS:
         return HummingPlan(
             gpu.name, [], f"Humming's device properties are known here for {KNOWN_GPUS} only"
@@ -179,25 +187,26 @@ def plan(config_json: dict[str, Any], serve_options: dict[str, Any], gpu: GpuTar
         return HummingPlan(
             gpu.name, [], "the checkpoint is not MXFP8 (its Humming kernels are not prebuilt)"
         )
-    for variable in (
-        "VLLM_HUMMING_INPUT_QUANT_CONFIG",
-        "VLLM_HUMMING_USE_F16_ACCUM",
-        "VLLM_BATCH_INVARIANT",
-    ):
-        if os.environ.get(variable):
-            return HummingPlan(
-                gpu.name, [], f"{variable} is set (the prebuild builds vLLM's defaults)"
-            )
-    tp = int(serve_options.get("tensor-parallel-size", 1) or 1)
-    ep = serve_options.get("enable-expert-parallel") is True
+    from vllm import envs
+
+    for variable in ("VLLM_HUMMING_INPUT_QUANT_CONFIG", "VLLM_HUMMING_USE_F16_ACCUM"):
+        if getattr(envs, variable):
+            why = f"{variable} is set (the prebuild builds vLLM's defaults)"
+            return HummingPlan(gpu.name, [], why)
+    if envs.VLLM_BATCH_INVARIANT:
+        return HummingPlan(
+            gpu.name, [], "VLLM_BATCH_INVARIANT is set (the prebuild builds vLLM's defaults)"
+        )
     text = config_json.get("text_config") or config_json
-    return HummingPlan(gpu.name, humming_layers(text, tp, ep, moe_gemm_type(ep)))
+    gemm = moe_gemm_type(expert_parallel_size > 1)
+    layers = humming_layers(text, tensor_parallel_size, expert_parallel_size, gemm)
+    return HummingPlan(gpu.name, layers)
 
 
 def plans_for(configs: list[Path], model: str, gpus: list[GpuTarget]) -> list[HummingPlan]:
     """One plan per GPU and distinct set of layers of ``configs`` served with ``model``."""
     from vllm_minimax.prebuild_inputs import read_config_json
-    from vllm_minimax.serve_config import ServeConfigError, read_serve_options
+    from vllm_minimax.serve_config import ServeConfigError, read_serve_options, serve_config_of
 
     found = read_config_json(model)
     if found is None:
@@ -207,10 +216,14 @@ def plans_for(configs: list[Path], model: str, gpus: list[GpuTarget]) -> list[Hu
     for config in configs:
         try:
             options = read_serve_options(config)
+            tp = serve_config_of(options, config).tensor_parallel_size
         except ServeConfigError as error:
             raise PrebuildError(str(error)) from None
+        dp = options.get("data-parallel-size", 1)
+        dp = dp if isinstance(dp, int) and not isinstance(dp, bool) and dp > 0 else 1
+        ep = tp * dp if options.get("enable-expert-parallel") is True else 1
         for gpu in gpus:
-            item = plan(found[0], options, gpu)
+            item = plan(found[0], tp, ep, gpu)
             plans.setdefault((item.gpu, tuple(item.layers), item.skipped), item)
     return list(plans.values())
 

@@ -70,7 +70,7 @@ def nvrtc(monkeypatch, tmp_path):
 
 
 def _slice_layers() -> list[ph.HummingLayer]:
-    return ph.humming_layers(rank_text_config(8, experts="ep"), 1, False, "grouped_contiguous")
+    return ph.humming_layers(rank_text_config(8, experts="ep"), 1, 1, "grouped_contiguous")
 
 
 def test_the_layers_of_the_slice_and_of_a_tp8_rank():
@@ -88,12 +88,14 @@ def test_the_layers_of_the_slice_and_of_a_tp8_rank():
         (2 * 3072, hidden, 16),
         (hidden, 3072, 16),  # 16 whole experts
     }
-    rank = ph.humming_layers(M3_TEXT_CONFIG, 8, True, "grouped_contiguous")
+    rank = ph.humming_layers(M3_TEXT_CONFIG, 8, 8, "grouped_contiguous")
     shared = {(x.shape_n, x.shape_k) for x in rank if "shared" in x.name}
     assert shared == {(2 * 384, hidden), (hidden, 384)}  # 3072 / 8
     experts = {(x.shape_n, x.shape_k, x.num_experts) for x in rank if x.num_experts}
     assert experts == {(2 * 3072, hidden, 16), (hidden, 3072, 16)}
-    tp = ph.humming_layers(M3_TEXT_CONFIG, 8, False, "indexed")
+    two_nodes = ph.humming_layers(M3_TEXT_CONFIG, 8, 16, "grouped_contiguous")
+    assert {x.num_experts for x in two_nodes if x.num_experts} == {8}  # TP 8 x DP 2
+    tp = ph.humming_layers(M3_TEXT_CONFIG, 8, 1, "indexed")
     assert {(x.shape_n, x.num_experts, x.gemm_type) for x in tp if x.num_experts} == {
         (2 * 384, 128, "indexed"),
         (hidden, 128, "indexed"),
@@ -181,13 +183,13 @@ def test_the_h100s_sm_count_is_the_logged_one():
 def test_what_is_not_prebuilt_says_why(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("VLLM_HUMMING_INPUT_QUANT_CONFIG", raising=False)
     text = rank_text_config(8, experts="ep")
-    assert ph.plan(text, {}, GPU_TARGETS["h100"]).skipped == (
+    assert ph.plan(text, 1, 1, GPU_TARGETS["h100"]).skipped == (
         "the checkpoint is not MXFP8 (its Humming kernels are not prebuilt)"
     )
-    pcie = ph.plan(text | {"quantization_config": MXFP8}, {}, GPU_TARGETS["h100-pcie"])
+    pcie = ph.plan(text | {"quantization_config": MXFP8}, 1, 1, GPU_TARGETS["h100-pcie"])
     assert "known here for ('h100', 'h200') only" in str(pcie.skipped)
     monkeypatch.setenv("VLLM_HUMMING_INPUT_QUANT_CONFIG", '{"dtype": "int8"}')
-    odd = ph.plan(text | {"quantization_config": MXFP8}, {}, GPU_TARGETS["h100"])
+    odd = ph.plan(text | {"quantization_config": MXFP8}, 1, 1, GPU_TARGETS["h100"])
     assert (
         odd.skipped
         == "VLLM_HUMMING_INPUT_QUANT_CONFIG is set (the prebuild builds vLLM's defaults)"
@@ -226,3 +228,22 @@ def test_a_property_humming_asks_that_the_prebuild_lacks_fails_it():
     layers = [x for x in _slice_layers() if x.name == "experts w2"]
     with pytest.raises(PrebuildError, match="'sm_count'"), ph.humming_device(lacking):
         ph.kernel_calls(layers)
+
+
+def test_the_shipped_configs_parallelism_decides_the_experts_shapes(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_HUMMING_MOE_GEMM_TYPE", raising=False)
+    model = tmp_path / "m3"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(M3_TEXT_CONFIG | {"quantization_config": MXFP8}))
+    serve = REPO / "configs" / "serve"
+    one, two = (
+        ph.plans_for([serve / name], str(model), [GPU_TARGETS["h100"]])
+        for name in ("h100-8x.yaml", "h100-16x-2node.yaml")
+    )
+    # TP 8 with expert parallelism: 16 whole experts a rank; over two nodes (DP 2) 8.
+    assert {(x.num_experts, x.shape_n, x.gemm_type) for x in one[0].layers if x.num_experts} == {
+        (16, 2 * 3072, "grouped_contiguous"),
+        (16, 6144, "grouped_contiguous"),
+    }
+    assert {x.num_experts for x in two[0].layers if x.num_experts} == {8}
+    assert {(x.shape_n, x.shape_k) for x in one[0].layers if x.name == "o_proj"} == {(6144, 1024)}
