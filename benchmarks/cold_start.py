@@ -16,8 +16,9 @@ measured:
 
 - ``empty``: a fresh home; every compile cache empty, as on a new machine.
 - ``prebuilt``: a fresh home, with ``FLASHINFER_WORKSPACE_BASE`` the directory ``--prebuilt``
-  where `vllm-minimax warmup --prebuild` built, restored as the prebuild left it, and the
-  model-info file the prebuild wrote (``BASE/vllm/modelinfos``) in the home's vLLM cache.
+  where `vllm-minimax warmup --prebuild` built, restored as the prebuild left it, the
+  model-info file the prebuild wrote (``BASE/vllm/modelinfos``) in the home's vLLM cache, and
+  Humming's kernels it built (``BASE/humming``) in the home's ``~/.humming/cache``.
 - ``carried``: the ``empty`` arm's home after its start, every cache it filled, in place.
 
 What it records: the seconds from launch to ``/health``; the phases of the start from vLLM's
@@ -239,6 +240,12 @@ def prepare_home(work: Path, name: str, arm: str, prebuilt: Path | None) -> dict
         modelinfos = prebuilt / "vllm" / "modelinfos"
         if modelinfos.is_dir():
             _copy_tree(modelinfos, home / ".cache" / "vllm" / "modelinfos")
+        # Humming's GEMM kernels the prebuild built (scripts/gpu-cold-start: HUMMING_CACHE_DIR
+        # BASE/humming), where the server's Humming reads them: ~/.humming/cache. Their keys
+        # hold no path of the cache, so a copy is found.
+        humming = prebuilt / "humming"
+        if humming.is_dir():
+            _copy_tree(humming, home / ".humming" / "cache")
     return env
 
 

@@ -18,7 +18,9 @@ and checks the programs and writes the manifest. This module also checks the env
 build needs (FlashInfer's cache paths, the CUDA toolkit, ninja) and, for ``docker/prebuild.sh``,
 which FlashInfer kernel wheels an environment holds for another release. ``prebuild_modelinfo``
 fills vLLM's model-info cache for the model's architectures (in ``$VLLM_CACHE_ROOT``), so a
-start need not import the model in a subprocess to inspect its class.
+start need not import the model in a subprocess to inspect its class. ``prebuild_humming``
+builds an MXFP8 checkpoint's Humming GEMM kernels into ``$HUMMING_CACHE_DIR``, which the
+profile run would otherwise compile.
 
 Beside the cache (``<version>/<arch>/`` + ``PREBUILD_MANIFEST``) it records what the programs
 were built with; the engine's warm-up compares that with its own FlashInfer, CUDA toolkit and
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_minimax import flashinfer_offline as offline
-from vllm_minimax import prebuild_modelinfo, warmup
+from vllm_minimax import prebuild_humming, prebuild_modelinfo, warmup
 from vllm_minimax.prebuild_geometry import (
     INDEXER_WARMUP_MODULE,
     Plan,
@@ -208,6 +210,9 @@ def run(args: argparse.Namespace) -> int:
         warmup.check_writable(location)
     _set_environment(location)
     model = read_model_geometry(args.model)
+    humming = prebuild_humming.plans_for(configs, args.model, gpus)
+    if not args.dry_run and any(not item.skipped for item in humming):
+        prebuild_humming.check_writable(prebuild_humming.cache_dir())
     architectures, architectures_source = prebuild_modelinfo.model_architectures(args.model)
     offline.check_flashinfer()
     import importlib
@@ -224,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
     _say(f"model: {model.source}")
     modelinfo = prebuild_modelinfo.fill_modelinfo_cache(architectures, dry_run=args.dry_run)
     _say(prebuild_modelinfo.summary(modelinfo, architectures_source))
+    prebuild_humming.prebuild(humming, GPU_TARGETS, args.dry_run, _say)
     plans = _plans(configs, kv_cache_dtypes, model, gpus)
     if all(plan.indexer is None and plan.sparse_attention is None for plan in plans):
         raise PrebuildError("no engine of these configs runs a FlashInfer program on these GPUs")

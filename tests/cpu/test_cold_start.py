@@ -75,6 +75,20 @@ def test_prebuilt_arm_finds_the_prebuilds_vllm_model_info_in_its_home(tmp_path):
     assert "VLLM_CACHE_ROOT" not in env
 
 
+def test_prebuilt_arm_serves_the_prebuilds_humming_kernels_from_its_home(tmp_path):
+    from vllm_minimax.compile_caches import cache_dirs
+
+    prebuilt = tmp_path / "prebuilt-rank-mxfp8-ep"
+    kernel = prebuilt / "humming" / "0123abcd" / "kernel.cubin"
+    kernel.parent.mkdir(parents=True)
+    kernel.write_bytes(b"cubin")
+    env = cold_start.prepare_home(tmp_path, "rank-mxfp8-ep", "prebuilt", prebuilt)
+    # Where the server's Humming reads (its default: no HUMMING_CACHE_DIR is inherited).
+    assert "HUMMING_CACHE_DIR" not in env
+    served = cache_dirs(env)["humming"] / "0123abcd" / "kernel.cubin"
+    assert served.read_bytes() == b"cubin"
+
+
 def test_arms_that_need_an_earlier_one_say_so(tmp_path):
     with pytest.raises(SystemExit, match="run the empty arm first"):
         cold_start.prepare_home(tmp_path, "tiny", "carried", None)

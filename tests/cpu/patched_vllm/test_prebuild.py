@@ -589,6 +589,64 @@ def test_the_prebuild_fills_vllms_model_info_for_the_served_architecture(
     assert f"{path} (already current)" in capsys.readouterr().out
 
 
+def test_the_prebuild_builds_an_mxfp8_models_humming_gemm_kernels(
+    cache, vllm_cache, monkeypatch, tmp_path, capsys
+):
+    """`warmup --prebuild` of an MXFP8 config.json builds Humming's GEMM kernels into
+    $HUMMING_CACHE_DIR and says so in one line; one layer shape (o_proj) keeps it to seconds,
+    and NVRTC's compile writes empty cubins (no NVRTC on the CPU runner)."""
+    from humming.jit.compiler import NVRTCCompiler
+    from humming.jit.runtime import KernelRuntime
+    from humming.utils import jit
+
+    from vllm_minimax import prebuild_humming
+    from vllm_minimax.m3_geometry import rank_text_config
+
+    monkeypatch.setattr(iw, "check_prebuilt_programs", lambda: None)
+    monkeypatch.setattr(prebuild, "plan_programs", lambda plan, builder: None)
+    monkeypatch.setattr(prebuild, "write_manifest", lambda *a: cache / iw.PREBUILD_MANIFEST)
+    monkeypatch.setattr(prebuild, "_set_environment", lambda location: None)
+    monkeypatch.setattr(prebuild, "_check_flashinfer_paths", lambda location: cache / "cached_ops")
+    monkeypatch.setattr(prebuild, "_check_toolchain", lambda: "/usr/local/cuda")
+
+    def compile_(cls, source_path, cache_dirname, sm_version, kernel_expr, flags):
+        (Path(cache_dirname) / "kernel_tmp.cubin").write_bytes(b"")
+        return 0, "", ""
+
+    monkeypatch.setattr(NVRTCCompiler, "_get_version", classmethod(lambda cls: (12, 9)))
+    monkeypatch.setattr(
+        NVRTCCompiler, "_get_include_dirs", classmethod(lambda cls: list(cls.include_dirs()))
+    )
+    monkeypatch.setattr(NVRTCCompiler, "_compile", classmethod(compile_))
+    humming_cache = tmp_path / "humming"
+    monkeypatch.setenv("HUMMING_CACHE_DIR", str(humming_cache))
+    jit.get_humming_cache_dir.cache_clear()
+    KernelRuntime._instances.clear()
+    layers = prebuild_humming.humming_layers
+    monkeypatch.setattr(
+        prebuild_humming,
+        "humming_layers",
+        lambda *a: [x for x in layers(*a) if x.name == "o_proj"],
+    )
+    model = tmp_path / "mxfp8"
+    model.mkdir()
+    quantization = {"quant_method": "mxfp8", "ignored_layers": ["lm_head"]}
+    text = rank_text_config(8, experts="ep") | {"quantization_config": quantization}
+    (model / "config.json").write_text(json.dumps(text))
+    try:
+        assert prebuild.main(_prebuild_args(tmp_path, str(model))) == 0
+    finally:
+        jit.get_humming_cache_dir.cache_clear()
+        KernelRuntime._instances.clear()
+    kernels = list(humming_cache.glob("*/kernel.cubin"))
+    assert kernels
+    out = capsys.readouterr().out
+    assert (
+        f"humming (h200): {len(kernels)} GEMM kernels of 1 layer shapes, {len(kernels)} built"
+        in out
+    )
+
+
 def test_an_unwritable_vllm_cache_stops_the_prebuild_before_it_builds(
     cache, vllm_cache, monkeypatch, tmp_path, capsys
 ):

@@ -1,0 +1,249 @@
+"""vllm_minimax/prebuild_humming.py: the Humming GEMM kernels an MXFP8 start builds on an SM90
+GPU, enumerated and built with no GPU, under the keys Humming's own compiler gives them.
+
+NVRTC is not on this CPU: its version and CUDA include paths are stood in for, and its
+compile writes an empty cubin. What is compared is what Humming keys: the kernel directories.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("humming")
+
+from vllm_minimax import prebuild_humming as ph
+from vllm_minimax.cli import main
+from vllm_minimax.m3_geometry import M3_TEXT_CONFIG, rank_text_config
+from vllm_minimax.prebuild_inputs import GPU_TARGETS, PrebuildError
+
+REPO = Path(__file__).resolve().parents[2]
+H100_LOG = REPO / "results" / "h100" / "cold-start" / "rank-mxfp8-ep-prebuilt.log"
+MXFP8 = {"quant_method": "mxfp8", "ignored_layers": ["lm_head"]}
+
+
+def _h100_as_logged() -> dict:
+    """The H100 as the device machine's vLLM log names it (num_sms), not as the module says."""
+    text = H100_LOG.read_text()
+    (sm_count,) = set(re.findall(r"num_sms=(\d+)", text))
+    return {
+        "index": 0,
+        "name": "NVIDIA H100 80GB HBM3",
+        "is_ppu": False,
+        "sm_version": 90,
+        "sm_major": 9,
+        "sm_minor": 0,
+        "sm_count": int(sm_count),
+        "l2_cache_size": 50 * 2**20,
+        "max_registers_per_sm": 64 * 1024,
+    }
+
+
+@pytest.fixture
+def nvrtc(monkeypatch, tmp_path):
+    """Humming's NVRTC path with the compiler itself stood in for; the cache in tmp_path."""
+    from humming.jit.compiler import NVRTCCompiler
+    from humming.jit.runtime import KernelRuntime
+    from humming.utils import jit
+
+    def compile_(cls, source_path, cache_dirname, sm_version, kernel_expr, flags):
+        (Path(cache_dirname) / "kernel_tmp.cubin").write_bytes(b"")
+        return 0, "", ""
+
+    monkeypatch.setattr(NVRTCCompiler, "_get_version", classmethod(lambda cls: (12, 9)))
+    monkeypatch.setattr(
+        NVRTCCompiler,
+        "_get_include_dirs",
+        classmethod(lambda cls: [*cls.include_dirs(), "/usr/local/cuda/include"]),
+    )
+    monkeypatch.setattr(NVRTCCompiler, "_compile", classmethod(compile_))
+    monkeypatch.setenv("HUMMING_CACHE_DIR", str(tmp_path / "humming"))
+    monkeypatch.delenv("VLLM_HUMMING_MOE_GEMM_TYPE", raising=False)
+    jit.get_humming_cache_dir.cache_clear()
+    KernelRuntime._instances.clear()
+    yield tmp_path / "humming"
+    jit.get_humming_cache_dir.cache_clear()
+    KernelRuntime._instances.clear()
+
+
+def _slice_layers() -> list[ph.HummingLayer]:
+    return ph.humming_layers(rank_text_config(8, experts="ep"), 1, 1, "grouped_contiguous")
+
+
+def test_the_layers_of_the_slice_and_of_a_tp8_rank():
+    """Shapes as vLLM's MiniMax M3 builds them, worked out here from the heads and widths."""
+    shapes = {(x.shape_n, x.shape_k, x.num_experts) for x in _slice_layers()}
+    q, kv, hidden = 8 * 128, 128, 6144
+    assert shapes == {
+        (q + 2 * kv, hidden, 0),  # full attention's qkv
+        (q + 2 * kv + 128 + 128, hidden, 0),  # with index_q and index_k
+        (hidden, q, 0),  # o_proj
+        (2 * 1536, hidden, 0),
+        (hidden, 1536, 0),  # the dense MLP, 12288 / 8
+        (2 * 3072, hidden, 0),
+        (hidden, 3072, 0),  # the shared expert, whole at TP 1
+        (2 * 3072, hidden, 16),
+        (hidden, 3072, 16),  # 16 whole experts
+    }
+    rank = ph.humming_layers(M3_TEXT_CONFIG, 8, 8, "grouped_contiguous")
+    shared = {(x.shape_n, x.shape_k) for x in rank if "shared" in x.name}
+    assert shared == {(2 * 384, hidden), (hidden, 384)}  # 3072 / 8
+    experts = {(x.shape_n, x.shape_k, x.num_experts) for x in rank if x.num_experts}
+    assert experts == {(2 * 3072, hidden, 16), (hidden, 3072, 16)}
+    two_nodes = ph.humming_layers(M3_TEXT_CONFIG, 8, 16, "grouped_contiguous")
+    assert {x.num_experts for x in two_nodes if x.num_experts} == {8}  # TP 8 x DP 2
+    tp = ph.humming_layers(M3_TEXT_CONFIG, 8, 1, "indexed")
+    assert {(x.shape_n, x.num_experts, x.gemm_type) for x in tp if x.num_experts} == {
+        (2 * 384, 128, "indexed"),
+        (hidden, 128, "indexed"),
+    }
+
+
+def _reference_kernels(layers: list[ph.HummingLayer], properties: dict) -> set[str]:
+    """Humming's own prepare_kernels with no tuning given (Humming tunes every interval
+    itself), for layer configs written out here: e4m3 weights, e8m0 scales per 32, bf16
+    activations; the kernel directories it keys."""
+    import torch
+    from humming import dtypes
+    from humming.config import WeightScaleType
+    from humming.kernel.humming import HummingKernel
+    from humming.schema import HummingWeightSchema
+    from humming.transform import prepare_layer_config
+
+    schema = HummingWeightSchema(
+        b_dtype=dtypes.float8e4m3,
+        bs_dtype=dtypes.float8e8m0,
+        weight_scale_group_size=32,
+        weight_scale_type=WeightScaleType.GROUP,
+    )
+    with ph.humming_device(properties), ph.recorded_kernels() as paths:
+        for layer in layers:
+            config = prepare_layer_config(
+                shape_n=layer.shape_n,
+                shape_k=layer.shape_k,
+                weight_schema=schema,
+                num_experts=layer.num_experts or None,
+                pad_n_to_multiple=256,
+                pad_k_to_multiple=128,
+                torch_dtype=torch.bfloat16,
+                device=0,
+            )
+            compute = {"use_batch_invariant": False, "use_f16_accum": False}
+            compute["gemm_type"] = layer.gemm_type
+            HummingKernel.prepare_kernels(config.to_str(), json.dumps(compute), None, 0)
+    return {Path(p).parent.name for p in paths}
+
+
+def test_the_prebuilds_kernels_are_hummings_own_for_the_h100(nvrtc, capsys):
+    """A dense layer and the experts' w2 (seconds, not the slice's minute): the prebuild's
+    kernel directories are those Humming's prepare_kernels keys on the H100 as logged, every
+    one built into $HUMMING_CACHE_DIR (Humming skips those there: compiler.py)."""
+    from humming.jit.runtime import KernelRuntime
+
+    layers = [x for x in _slice_layers() if x.name in ("o_proj", "experts w2")]
+    item = ph.HummingPlan("h100", layers)
+    assert ph.prebuild([item], GPU_TARGETS, False, print) > 0
+    built = {p.parent.name for p in nvrtc.glob("*/kernel.cubin")}
+    out = capsys.readouterr().out
+    assert f"{len(built)} GEMM kernels of 2 layer shapes, {len(built)} built, 0 already" in out
+    assert "NVRTCCompiler (nvrtc+12.9, includes " in out and "/usr/local/cuda/include" in out
+    KernelRuntime._instances.clear()
+    assert _reference_kernels(layers, _h100_as_logged()) == built
+
+
+def test_another_cuda_include_path_is_another_key(nvrtc, monkeypatch):
+    """What the server's CUDA_HOME gives Humming's include paths is in every key: a prebuild
+    under another one builds kernels the server never finds (o_proj alone: no MoE tuning)."""
+    from humming.jit.compiler import NVRTCCompiler
+    from humming.jit.runtime import KernelRuntime
+
+    layers = [x for x in _slice_layers() if x.name == "o_proj"]
+    ph.prebuild([ph.HummingPlan("h100", layers)], GPU_TARGETS, False, print)
+    built = {p.parent.name for p in nvrtc.glob("*/kernel.cubin")}
+    KernelRuntime._instances.clear()
+    assert _reference_kernels(layers, _h100_as_logged()) == built
+    KernelRuntime._instances.clear()
+    monkeypatch.setattr(
+        NVRTCCompiler,
+        "_get_include_dirs",
+        classmethod(lambda cls: [*cls.include_dirs(), "/opt/other-cuda/include"]),
+    )
+    assert _reference_kernels(layers, _h100_as_logged()).isdisjoint(built)
+
+
+def test_the_h100s_sm_count_is_the_logged_one():
+    props = ph.device_properties(GPU_TARGETS["h100"])
+    assert {k: props[k] for k in _h100_as_logged()} == _h100_as_logged()
+    assert ph.device_properties(GPU_TARGETS["h200"])["name"] == "NVIDIA H200"
+
+
+def test_what_is_not_prebuilt_says_why(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("VLLM_HUMMING_INPUT_QUANT_CONFIG", raising=False)
+    text = rank_text_config(8, experts="ep")
+    assert ph.plan(text, 1, 1, GPU_TARGETS["h100"]).skipped == (
+        "the checkpoint is not MXFP8 (its Humming kernels are not prebuilt)"
+    )
+    pcie = ph.plan(text | {"quantization_config": MXFP8}, 1, 1, GPU_TARGETS["h100-pcie"])
+    assert "known here for ('h100', 'h200') only" in str(pcie.skipped)
+    monkeypatch.setenv("VLLM_HUMMING_INPUT_QUANT_CONFIG", '{"dtype": "int8"}')
+    odd = ph.plan(text | {"quantization_config": MXFP8}, 1, 1, GPU_TARGETS["h100"])
+    assert (
+        odd.skipped
+        == "VLLM_HUMMING_INPUT_QUANT_CONFIG is set (the prebuild builds vLLM's defaults)"
+    )
+    assert ph.prebuild([pcie, odd], GPU_TARGETS, False, print) == 0
+    out = capsys.readouterr().out
+    assert "humming (h100-pcie): skipped: Humming's device properties" in out
+    assert "humming (h100): skipped: VLLM_HUMMING_INPUT_QUANT_CONFIG" in out
+
+
+def test_an_unwritable_humming_cache_is_exit_2(tmp_path, capsys, monkeypatch):
+    from humming.utils import jit
+
+    model = tmp_path / "model"
+    model.mkdir()
+    text = rank_text_config(8, experts="ep")
+    (model / "config.json").write_text(json.dumps(text | {"quantization_config": MXFP8}))
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    monkeypatch.setenv("HUMMING_CACHE_DIR", str(blocker / "cache"))
+    jit.get_humming_cache_dir.cache_clear()
+    config = REPO / "configs" / "serve" / "h200-8x.yaml"
+    argv = ["warmup", "--prebuild", "--config", str(config), "--model", str(model)]
+    try:
+        rc = main([*argv, "--cache-dir", str(tmp_path / "fi"), "--gpu", "h100"])
+    finally:
+        jit.get_humming_cache_dir.cache_clear()
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"Humming's cache {blocker / 'cache'} cannot be created" in err
+    assert not (tmp_path / "fi" / "vllm").exists()
+
+
+def test_a_property_humming_asks_that_the_prebuild_lacks_fails_it():
+    lacking = {k: v for k, v in _h100_as_logged().items() if k != "sm_count"}
+    layers = [x for x in _slice_layers() if x.name == "experts w2"]
+    with pytest.raises(PrebuildError, match="'sm_count'"), ph.humming_device(lacking):
+        ph.kernel_calls(layers)
+
+
+def test_the_shipped_configs_parallelism_decides_the_experts_shapes(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_HUMMING_MOE_GEMM_TYPE", raising=False)
+    model = tmp_path / "m3"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(M3_TEXT_CONFIG | {"quantization_config": MXFP8}))
+    serve = REPO / "configs" / "serve"
+    one, two = (
+        ph.plans_for([serve / name], str(model), [GPU_TARGETS["h100"]])
+        for name in ("h100-8x.yaml", "h100-16x-2node.yaml")
+    )
+    # TP 8 with expert parallelism: 16 whole experts a rank; over two nodes (DP 2) 8.
+    assert {(x.num_experts, x.shape_n, x.gemm_type) for x in one[0].layers if x.num_experts} == {
+        (16, 2 * 3072, "grouped_contiguous"),
+        (16, 6144, "grouped_contiguous"),
+    }
+    assert {x.num_experts for x in two[0].layers if x.num_experts} == {8}
+    assert {(x.shape_n, x.shape_k) for x in one[0].layers if x.name == "o_proj"} == {(6144, 1024)}
