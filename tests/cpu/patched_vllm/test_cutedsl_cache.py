@@ -16,6 +16,7 @@ writes are atomic, and vLLM's JIT monitor still sees a compile after the warm-up
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -182,8 +183,6 @@ def test_the_key_holds_the_real_arch_stack_and_sources(root):
     assert sorted(factors["sources"]) == sorted(ll_fp32w._KERNEL_MODULES)
     dotprod = importlib.util.find_spec(ll_fp32w._KERNEL_MODULES[1]).origin
     assert dotprod.endswith("_ll_fp32w_dotprod.py")
-    import hashlib
-
     digest = hashlib.sha256(Path(dotprod).read_bytes()).hexdigest()
     assert factors["sources"][ll_fp32w._KERNEL_MODULES[1]] == digest
 
@@ -222,33 +221,40 @@ def test_a_stale_record_is_compiled_again_and_overwritten(root, compiles):
     assert compiles.calls == 2
 
 
-@pytest.mark.parametrize("damage", ["truncated", "replaced"])
+@pytest.mark.parametrize("damage", ["truncated", "not an object", "another key's object"])
 def test_a_damaged_object_is_compiled_again_with_a_warning(root, compiles, caplog, damage):
-    key = _ll_key()
+    key = _ll_key(m=1)
     ll_fp32w.LLFp32WGemm().compile(key)
     (entry,) = _entries(root, "LLFp32WGemm")
     whole = entry.read_bytes()
     if damage == "truncated":
         entry.write_bytes(whole[: len(whole) // 2])
-    else:
-        # Not an object file, and its record says so: load_module itself refuses it.
-        import hashlib
-
+    elif damage == "not an object":
+        # Its record says so too: load_module itself refuses it.
         entry.write_bytes(b"\0" * 64)
         record_path = entry.with_suffix(".json")
         record = json.loads(record_path.read_text())
         record["object_sha256"] = hashlib.sha256(b"\0" * 64).hexdigest()
         record_path.write_text(json.dumps(record))
+    else:
+        # A whole object with this entry's symbol, of M=2: load_module takes it, and only
+        # the record's hash of the object tells it apart.
+        other, other_key = ll_fp32w.LLFp32WGemm(), _ll_key(m=2)
+        other.compile(other_key)
+        symbol = f"vllm_cutedsl_{entry.stem}"
+        other._compiled_cache[other_key].export_to_c(str(entry), function_name=symbol)
+    compiled_before = compiles.calls
     kernel = ll_fp32w.LLFp32WGemm()
     with caplog.at_level(logging.WARNING):
         kernel.compile(key)
-    assert compiles.calls == 2
+    assert compiles.calls == compiled_before + 1, "a damaged entry was loaded"
     warnings = [
         r for r in caplog.records if "Cannot load the cached CuTe-DSL kernel" in r.getMessage()
     ]
     assert len(warnings) == 1, caplog.text
     assert entry.read_bytes() == whole, "the entry was not written again"
-    assert "expected device_type=cuda" in _refusal(kernel._compiled_cache[key], *_ll_args(1))
+    refusal = _refusal(kernel._compiled_cache[key], *_ll_args(1))
+    assert "gA: Tensor([1, 6144], bfloat16)" in refusal and "device_type=cuda" in refusal
 
 
 def test_an_unwritable_root_warns_once_and_compiles(root, compiles, caplog, monkeypatch, tmp_path):
