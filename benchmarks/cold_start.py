@@ -514,7 +514,14 @@ PHASES = (
 # (64 keys) where M3's 6144 x 128 gate runs a precompiled kernel (benchmarks/router_gemm_tiers).
 SLICE_ONLY_KERNELS = ("LLFp32WGemm",)
 # Caches whose files a start may write after ready only by building a program then.
-PROGRAM_CACHES = ("flashinfer", "humming", "triton", "torchinductor", "vllm_torch_compile")
+PROGRAM_CACHES = (
+    "flashinfer",
+    "humming",
+    "triton",
+    "torchinductor",
+    "vllm_torch_compile",
+    "vllm_cutedsl",
+)
 
 
 def built_after_ready(row: dict[str, Any]) -> list[str]:

@@ -18,6 +18,8 @@ The caches (docs/warm-start.md says who builds what and what keys each entry):
   ``$XDG_CACHE_HOME/vllm``, else ``~/.cache/vllm``).
 - ``vllm_startup_plan``: ``$VLLM_CACHE_ROOT/startup_plan`` (written only with
   ``VLLM_ENABLE_STARTUP_PLAN=1``).
+- ``vllm_cutedsl``: ``$VLLM_CACHE_ROOT/cutedsl``, the executors of vLLM's CuTe-DSL JIT
+  kernels (the series' patch 0010).
 - ``torchinductor``: ``$TORCHINDUCTOR_CACHE_DIR`` (default ``$TMPDIR/torchinductor_<user>``).
 - ``cute_dsl``: ``$CUTE_DSL_CACHE_DIR`` (default ``$TMPDIR/<user>/cutlass_python_cache``),
   the CuTe DSL's file cache, which ``cute.compile`` (every vLLM and FlashInfer CuTe-DSL
@@ -39,6 +41,7 @@ CACHE_NAMES = (
     "triton",
     "vllm_torch_compile",
     "vllm_startup_plan",
+    "vllm_cutedsl",
     "torchinductor",
     "cute_dsl",
 )
@@ -69,6 +72,7 @@ def cache_dirs(env: Mapping[str, str]) -> dict[str, Path]:
         "triton": Path(env.get("TRITON_CACHE_DIR") or triton_home / ".triton" / "cache"),
         "vllm_torch_compile": vllm_root / "torch_compile_cache",
         "vllm_startup_plan": vllm_root / "startup_plan",
+        "vllm_cutedsl": vllm_root / "cutedsl",
         "torchinductor": Path(env.get("TORCHINDUCTOR_CACHE_DIR") or tmp / f"torchinductor_{user}"),
         "cute_dsl": Path(env.get("CUTE_DSL_CACHE_DIR") or tmp / user / "cutlass_python_cache"),
     }

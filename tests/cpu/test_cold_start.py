@@ -418,6 +418,7 @@ def test_cache_dirs_follow_each_owners_rule(tmp_path):
     assert moved["humming"] == Path("/h")
     assert moved["triton"] == Path("/t/.triton/cache")
     assert moved["vllm_startup_plan"] == Path("/x/vllm/startup_plan")
+    assert moved["vllm_cutedsl"] == Path("/x/vllm/cutedsl")
     assert moved["flashinfer"] == Path("/f/.cache/flashinfer")
     assert compile_caches.cache_dirs(env | {"VLLM_CACHE_ROOT": "/v"})["vllm_torch_compile"] == Path(
         "/v/torch_compile_cache"
