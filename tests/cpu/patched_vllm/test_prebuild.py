@@ -553,6 +553,17 @@ def _prebuild_args(tmp_path: Path, model: str = "MiniMaxAI/MiniMax-M3-MXFP8"):
     )
 
 
+def _stand_in_flashinfer_builds(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """FlashInfer's side of the prebuild (its check, plan, manifest and toolchain) stood in for,
+    for the tests of what the prebuild writes beside FlashInfer's programs."""
+    monkeypatch.setattr(iw, "check_prebuilt_programs", lambda: None)
+    monkeypatch.setattr(prebuild, "plan_programs", lambda plan, builder: None)
+    monkeypatch.setattr(prebuild, "write_manifest", lambda *a: cache / iw.PREBUILD_MANIFEST)
+    monkeypatch.setattr(prebuild, "_set_environment", lambda location: None)
+    monkeypatch.setattr(prebuild, "_check_flashinfer_paths", lambda location: cache / "cached_ops")
+    monkeypatch.setattr(prebuild, "_check_toolchain", lambda: "/usr/local/cuda")
+
+
 def test_the_prebuild_fills_vllms_model_info_for_the_served_architecture(
     cache, vllm_cache, monkeypatch, tmp_path, capsys, patched_vllm_root
 ):
@@ -560,12 +571,7 @@ def test_the_prebuild_fills_vllms_model_info_for_the_served_architecture(
     server reads; the prebuild names it in one line. FlashInfer's builds are stand-ins."""
     from vllm.model_executor.models import registry
 
-    monkeypatch.setattr(iw, "check_prebuilt_programs", lambda: None)
-    monkeypatch.setattr(prebuild, "plan_programs", lambda plan, builder: None)
-    monkeypatch.setattr(prebuild, "write_manifest", lambda *a: cache / iw.PREBUILD_MANIFEST)
-    monkeypatch.setattr(prebuild, "_set_environment", lambda location: None)
-    monkeypatch.setattr(prebuild, "_check_flashinfer_paths", lambda location: cache / "cached_ops")
-    monkeypatch.setattr(prebuild, "_check_toolchain", lambda: "/usr/local/cuda")
+    _stand_in_flashinfer_builds(monkeypatch, cache)
     architecture = "MiniMaxM3SparseForConditionalGeneration"
     entry = registry.ModelRegistry.models[architecture]
     path = vllm_cache / "modelinfos" / entry._get_cache_filename()
@@ -602,12 +608,7 @@ def test_the_prebuild_builds_an_mxfp8_models_humming_gemm_kernels(
     from vllm_minimax import prebuild_humming
     from vllm_minimax.m3_geometry import rank_text_config
 
-    monkeypatch.setattr(iw, "check_prebuilt_programs", lambda: None)
-    monkeypatch.setattr(prebuild, "plan_programs", lambda plan, builder: None)
-    monkeypatch.setattr(prebuild, "write_manifest", lambda *a: cache / iw.PREBUILD_MANIFEST)
-    monkeypatch.setattr(prebuild, "_set_environment", lambda location: None)
-    monkeypatch.setattr(prebuild, "_check_flashinfer_paths", lambda location: cache / "cached_ops")
-    monkeypatch.setattr(prebuild, "_check_toolchain", lambda: "/usr/local/cuda")
+    _stand_in_flashinfer_builds(monkeypatch, cache)
 
     def compile_(cls, source_path, cache_dirname, sm_version, kernel_expr, flags):
         (Path(cache_dirname) / "kernel_tmp.cubin").write_bytes(b"")
