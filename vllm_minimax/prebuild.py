@@ -211,8 +211,8 @@ def run(args: argparse.Namespace) -> int:
     _set_environment(location)
     model = read_model_geometry(args.model)
     humming = prebuild_humming.plans_for(configs, args.model, gpus)
-    if not args.dry_run and any(not item.skipped for item in humming):
-        prebuild_humming.check_writable(prebuild_humming.cache_dir())
+    if not args.dry_run:
+        prebuild_humming.check_ready(humming, GPU_TARGETS)
     architectures, architectures_source = prebuild_modelinfo.model_architectures(args.model)
     offline.check_flashinfer()
     import importlib

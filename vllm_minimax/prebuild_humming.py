@@ -396,6 +396,17 @@ def check_compiler() -> str:
         raise PrebuildError(f"Humming's {compiler.__name__} cannot run here: {error}") from None
 
 
+def check_ready(plans: list[HummingPlan], gpus: dict[str, GpuTarget]) -> str:
+    """Before anything is written: the cache is writable and Humming's compiler runs here
+    (what :func:`check_compiler` says), for plans with layers to build; an error otherwise."""
+    todo = [p for p in plans if not p.skipped]
+    if not todo:
+        return "nothing to build"
+    check_writable(cache_dir())
+    with humming_device(device_properties(gpus[todo[0].gpu])):  # the compiler asks is_ppu
+        return check_compiler()
+
+
 def build(calls: list[tuple[HummingLayer, str, str, str | None]]) -> list[str]:
     """Build every call's kernels through ``HummingKernel.prepare_kernels`` (device 0, the
     installed one); the distinct ``kernel.cubin`` paths, built now or found."""
@@ -417,9 +428,7 @@ def prebuild(plans: list[HummingPlan], gpus: dict[str, GpuTarget], dry_run: bool
     if not todo:
         return 0
     if not dry_run:
-        check_writable(directory)
-        with humming_device(device_properties(gpus[todo[0].gpu])):  # the compiler asks is_ppu
-            say(f"humming: {check_compiler()}, cache {directory}")
+        say(f"humming: {check_ready(todo, gpus)}, cache {directory}")
     built_now = 0
     for item in todo:
         with humming_device(device_properties(gpus[item.gpu])):

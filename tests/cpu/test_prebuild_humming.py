@@ -222,6 +222,37 @@ def test_an_unwritable_humming_cache_is_exit_2(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "fi" / "vllm").exists()
 
 
+def test_a_compiler_that_cannot_run_is_exit_2_before_anything_is_written(
+    tmp_path, capsys, monkeypatch
+):
+    """No NVRTC here: one message, and neither vLLM's model-info entry nor a kernel written."""
+    from humming.jit.compiler import NVRTCCompiler
+    from humming.utils import jit
+
+    def missing(cls):
+        raise OSError("libnvrtc.so: cannot open shared object file")
+
+    model = tmp_path / "model"
+    model.mkdir()
+    text = rank_text_config(8, experts="ep") | {"architectures": ["MiniMaxM3SparseForCausalLM"]}
+    (model / "config.json").write_text(json.dumps(text | {"quantization_config": MXFP8}))
+    monkeypatch.setenv("HUMMING_COMPILER", "nvrtc")
+    monkeypatch.setattr(NVRTCCompiler, "_get_version", classmethod(missing))
+    monkeypatch.setenv("HUMMING_CACHE_DIR", str(tmp_path / "humming"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
+    jit.get_humming_cache_dir.cache_clear()
+    config = REPO / "configs" / "serve" / "h200-8x.yaml"
+    argv = ["warmup", "--prebuild", "--config", str(config), "--model", str(model)]
+    try:
+        rc = main([*argv, "--cache-dir", str(tmp_path / "fi"), "--gpu", "h100"])
+    finally:
+        jit.get_humming_cache_dir.cache_clear()
+    assert rc == 2
+    assert "Humming's NVRTCCompiler cannot run here: libnvrtc.so" in capsys.readouterr().err
+    assert not (tmp_path / "vllm" / "modelinfos").exists()
+    assert not list((tmp_path / "humming").glob("*/kernel.cubin"))
+
+
 def test_a_property_humming_asks_that_the_prebuild_lacks_fails_it():
     lacking = {k: v for k, v in _h100_as_logged().items() if k != "sm_count"}
     layers = [x for x in _slice_layers() if x.name == "experts w2"]
