@@ -199,24 +199,31 @@ def test_what_is_not_prebuilt_says_why(tmp_path, capsys, monkeypatch):
     assert "humming (h100): skipped: VLLM_HUMMING_INPUT_QUANT_CONFIG" in out
 
 
-def test_an_unwritable_humming_cache_is_exit_2(tmp_path, capsys, monkeypatch):
+def _prebuild_an_mxfp8_rank(
+    tmp_path: Path, humming_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> int:
+    """`warmup --prebuild` of h200-8x for the H100 over an MXFP8 slice's config.json made in
+    ``tmp_path``, Humming's cache at ``humming_cache``; its exit status."""
     from humming.utils import jit
 
     model = tmp_path / "model"
     model.mkdir()
-    text = rank_text_config(8, experts="ep")
+    text = rank_text_config(8, experts="ep") | {"architectures": ["MiniMaxM3SparseForCausalLM"]}
     (model / "config.json").write_text(json.dumps(text | {"quantization_config": MXFP8}))
-    blocker = tmp_path / "blocker"
-    blocker.write_text("")
-    monkeypatch.setenv("HUMMING_CACHE_DIR", str(blocker / "cache"))
-    jit.get_humming_cache_dir.cache_clear()
     config = REPO / "configs" / "serve" / "h200-8x.yaml"
     argv = ["warmup", "--prebuild", "--config", str(config), "--model", str(model)]
+    monkeypatch.setenv("HUMMING_CACHE_DIR", str(humming_cache))
+    jit.get_humming_cache_dir.cache_clear()
     try:
-        rc = main([*argv, "--cache-dir", str(tmp_path / "fi"), "--gpu", "h100"])
+        return main([*argv, "--cache-dir", str(tmp_path / "fi"), "--gpu", "h100"])
     finally:
         jit.get_humming_cache_dir.cache_clear()
-    assert rc == 2
+
+
+def test_an_unwritable_humming_cache_is_exit_2(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    assert _prebuild_an_mxfp8_rank(tmp_path, blocker / "cache", monkeypatch) == 2
     err = capsys.readouterr().err
     assert f"Humming's cache {blocker / 'cache'} cannot be created" in err
     assert not (tmp_path / "fi" / "vllm").exists()
@@ -227,27 +234,14 @@ def test_a_compiler_that_cannot_run_is_exit_2_before_anything_is_written(
 ):
     """No NVRTC here: one message, and neither vLLM's model-info entry nor a kernel written."""
     from humming.jit.compiler import NVRTCCompiler
-    from humming.utils import jit
 
     def missing(cls):
         raise OSError("libnvrtc.so: cannot open shared object file")
 
-    model = tmp_path / "model"
-    model.mkdir()
-    text = rank_text_config(8, experts="ep") | {"architectures": ["MiniMaxM3SparseForCausalLM"]}
-    (model / "config.json").write_text(json.dumps(text | {"quantization_config": MXFP8}))
     monkeypatch.setenv("HUMMING_COMPILER", "nvrtc")
     monkeypatch.setattr(NVRTCCompiler, "_get_version", classmethod(missing))
-    monkeypatch.setenv("HUMMING_CACHE_DIR", str(tmp_path / "humming"))
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
-    jit.get_humming_cache_dir.cache_clear()
-    config = REPO / "configs" / "serve" / "h200-8x.yaml"
-    argv = ["warmup", "--prebuild", "--config", str(config), "--model", str(model)]
-    try:
-        rc = main([*argv, "--cache-dir", str(tmp_path / "fi"), "--gpu", "h100"])
-    finally:
-        jit.get_humming_cache_dir.cache_clear()
-    assert rc == 2
+    assert _prebuild_an_mxfp8_rank(tmp_path, tmp_path / "humming", monkeypatch) == 2
     assert "Humming's NVRTCCompiler cannot run here: libnvrtc.so" in capsys.readouterr().err
     assert not (tmp_path / "vllm" / "modelinfos").exists()
     assert not list((tmp_path / "humming").glob("*/kernel.cubin"))
