@@ -211,8 +211,7 @@ def run(args: argparse.Namespace) -> int:
     _set_environment(location)
     model = read_model_geometry(args.model)
     humming = prebuild_humming.plans_for(configs, args.model, gpus)
-    if not args.dry_run:
-        prebuild_humming.check_ready(humming, GPU_TARGETS)
+    humming_ready = None if args.dry_run else prebuild_humming.check_ready(humming, GPU_TARGETS)
     architectures, architectures_source = prebuild_modelinfo.model_architectures(args.model)
     offline.check_flashinfer()
     import importlib
@@ -229,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     _say(f"model: {model.source}")
     modelinfo = prebuild_modelinfo.fill_modelinfo_cache(architectures, dry_run=args.dry_run)
     _say(prebuild_modelinfo.summary(modelinfo, architectures_source))
-    prebuild_humming.prebuild(humming, GPU_TARGETS, args.dry_run, _say)
+    prebuild_humming.prebuild(humming, GPU_TARGETS, args.dry_run, _say, humming_ready)
     plans = _plans(configs, kv_cache_dtypes, model, gpus)
     if all(plan.indexer is None and plan.sparse_attention is None for plan in plans):
         raise PrebuildError("no engine of these configs runs a FlashInfer program on these GPUs")

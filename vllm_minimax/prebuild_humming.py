@@ -418,9 +418,17 @@ def build(calls: list[tuple[HummingLayer, str, str, str | None]]) -> list[str]:
     return sorted(set(paths))
 
 
-def prebuild(plans: list[HummingPlan], gpus: dict[str, GpuTarget], dry_run: bool, say: Any) -> int:
+def prebuild(
+    plans: list[HummingPlan],
+    gpus: dict[str, GpuTarget],
+    dry_run: bool,
+    say: Any,
+    ready: str | None = None,
+) -> int:
     """Build the plans' kernels into :func:`cache_dir` (enumerate only in a dry run), saying
-    what it did in one line per GPU; the number of kernels built now."""
+    what it did in one line per GPU; the number of kernels built now. ``ready`` is what
+    :func:`check_ready` said of these plans, where the caller checked before writing anything
+    else (else it is checked here)."""
     directory = cache_dir()
     todo = [p for p in plans if not p.skipped]
     for skipped in (p for p in plans if p.skipped):
@@ -428,7 +436,7 @@ def prebuild(plans: list[HummingPlan], gpus: dict[str, GpuTarget], dry_run: bool
     if not todo:
         return 0
     if not dry_run:
-        say(f"humming: {check_ready(todo, gpus)}, cache {directory}")
+        say(f"humming: {ready or check_ready(todo, gpus)}, cache {directory}")
     built_now = 0
     for item in todo:
         with humming_device(device_properties(gpus[item.gpu])):
