@@ -23,6 +23,15 @@ MXFP8_GROUP = 32
 E4M3_MAX = 448.0
 E8M0_BIAS = 127
 SCALE_SUFFIX = "weight_scale_inv"
+# What vLLM 0.34.0 reads from a MiniMax checkpoint tagged ``quant_method: mxfp8``
+# (``ModelOptMxFp8Config.from_config``): the tag, which it maps to ``modelopt_mxfp8``, and
+# ``ignored_layers`` (its exclude list). MiniMaxAI/MiniMax-M3-MXFP8's own list is not known
+# here; ``lm_head`` is assumed on it (vllm_minimax/memory_budget.py states the same
+# assumption), the router is never quantized (vLLM builds it without the quantization config).
+MXFP8_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "mxfp8",
+    "ignored_layers": ["lm_head"],
+}
 
 # Checkpoint names of the projections the MXFP8 checkpoint quantizes.
 QUANTIZED = re.compile(

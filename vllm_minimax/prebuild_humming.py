@@ -14,7 +14,11 @@ and its own compiler builds (and keys) each kernel into ``$HUMMING_CACHE_DIR``; 
 The cache key (``humming/jit/compiler.py``) holds the absolute paths and modification times of
 Humming's headers, the NVRTC version and the CUDA include paths: the server finds these
 kernels only where it runs the same Humming install and CUDA toolkit as the prebuild did (the
-image that built them, or the machine). Not built here: Humming's input-processing kernels
+image that built them, or the machine). The SM count is in no key and compiled into no kernel:
+it picks the tuning (whose kernels' source is keyed) and the launch grid (the server's own), so
+another GPU finds only kernels of the code its own tuning picks. A model with no
+``config.json`` here is planned only when it is the published MXFP8 checkpoint
+(``prebuild_inputs.known_config_json``). Not built here: Humming's input-processing kernels
 (the MoE activation between w13 and w2; their layout depends on the batch's token count) and
 the weight-layout kernels of the load; the start still builds those.
 """
@@ -82,6 +86,7 @@ class HummingPlan:
     gpu: str
     layers: list[HummingLayer]
     skipped: str | None = None
+    source: str = ""  # where the layers' geometry came from
 
 
 def is_mxfp8(config: dict[str, Any]) -> bool:
@@ -102,14 +107,37 @@ def _per_rank(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
+def layer_kinds(text: dict[str, Any]) -> tuple[list[str], list[str], int | None]:
+    """Each layer's attention and MLP kind (``minimax_m3_sparse`` or ``full_attention``;
+    ``sparse`` or ``dense``) and the index head dim, from either spelling of MiniMax M3's text
+    config: vLLM 0.34.0's flat ``layer_types``, ``mlp_layer_types`` and ``index_head_dim``, or
+    the published checkpoint's ``sparse_attention_config`` (``sparse_attention_freq``,
+    ``sparse_index_dim``) and ``moe_layer_freq``, where 1 is a sparse-attention or MoE layer
+    (transformers' ``MiniMaxM3VLTextConfig`` reads them so). A KeyError where a kind is in
+    neither."""
+    sparse = text.get("sparse_attention_config") or {}
+    if "layer_types" in text:
+        attention = list(text["layer_types"])
+    else:
+        freq = sparse["sparse_attention_freq"]
+        attention = ["minimax_m3_sparse" if f else "full_attention" for f in freq]
+    if "mlp_layer_types" in text:
+        mlp = list(text["mlp_layer_types"])
+    else:
+        mlp = ["sparse" if f else "dense" for f in text["moe_layer_freq"]]
+    index_dim = text.get("index_head_dim", sparse.get("sparse_index_dim"))
+    return attention, mlp, None if index_dim is None else int(index_dim)
+
+
 def humming_layers(
     text: dict[str, Any], tensor_parallel_size: int, expert_parallel_size: int, moe_gemm_type: str
 ) -> list[HummingLayer]:
-    """The distinct Humming GEMMs of one rank of MiniMax M3 (``text``: its text config), as
-    vLLM 0.34.0's model builds them (vllm/models/minimax_m3/nvidia/model.py): attention's
-    fused projection (q, k, v, and on sparse layers index_q and index_k) and o_proj, the
-    dense layers' MLP (``dense_intermediate_size``), the MoE layers' shared expert and routed
-    experts (both ``intermediate_size``). KV and index-q heads shard while there are at least
+    """The distinct Humming GEMMs of one rank of MiniMax M3 (``text``: its text config, in
+    either schema: :func:`layer_kinds`), as vLLM 0.34.0's model builds them
+    (vllm/models/minimax_m3/nvidia/model.py): attention's fused projection (q, k, v, and on
+    sparse layers index_q and index_k) and o_proj, the dense layers' MLP
+    (``dense_intermediate_size``), the MoE layers' shared expert and routed experts (both
+    ``intermediate_size``). KV and index-q heads shard while there are at least
     N of them, else each rank holds one; index_k is one head on every rank. Under expert
     parallelism (``expert_parallel_size`` > 1: TP x DP ranks) a rank holds that share of the
     experts whole, else every expert at 1/TP of its width. Speculative drafts are not here."""
@@ -119,12 +147,11 @@ def humming_layers(
         heads = _per_rank(int(text["num_attention_heads"]), tp, "num_attention_heads")
         head_dim = int(text.get("head_dim") or hidden // int(text["num_attention_heads"]))
         kv = max(1, int(text["num_key_value_heads"]) // tp)
-        index_dim = int(text.get("index_head_dim", head_dim))
+        layer_types, mlp_types, index_dim = layer_kinds(text)
+        index_dim = index_dim or head_dim
         intermediate = int(text["intermediate_size"])
         dense_intermediate = int(text.get("dense_intermediate_size", intermediate))
         experts = int(text["num_local_experts"])
-        layer_types = list(text["layer_types"])
-        mlp_types = list(text["mlp_layer_types"])
     except (KeyError, TypeError, ValueError) as error:
         raise PrebuildError(f"config.json: not MiniMax M3's text config ({error!r})") from None
     q, kv_width = heads * head_dim, kv * head_dim
@@ -204,11 +231,13 @@ def plan(
 
 
 def plans_for(configs: list[Path], model: str, gpus: list[GpuTarget]) -> list[HummingPlan]:
-    """One plan per GPU and distinct set of layers of ``configs`` served with ``model``."""
-    from vllm_minimax.prebuild_inputs import read_config_json
+    """One plan per GPU and distinct set of layers of ``configs`` served with ``model``: from
+    its ``config.json`` here (a directory, or the Hugging Face cache), else from the one this
+    package knows for the published MXFP8 checkpoint's name, else none (why)."""
+    from vllm_minimax.prebuild_inputs import known_config_json, read_config_json
     from vllm_minimax.serve_config import ServeConfigError, read_serve_options, serve_config_of
 
-    found = read_config_json(model)
+    found = read_config_json(model) or known_config_json(model)
     if found is None:
         why = f"no config.json for {model} here to tell its quantization (pass --model DIR)"
         return [HummingPlan(gpu.name, [], why) for gpu in gpus]
@@ -224,6 +253,7 @@ def plans_for(configs: list[Path], model: str, gpus: list[GpuTarget]) -> list[Hu
         ep = tp * dp if options.get("enable-expert-parallel") is True else 1
         for gpu in gpus:
             item = plan(found[0], tp, ep, gpu)
+            item.source = found[1]
             plans.setdefault((item.gpu, tuple(item.layers), item.skipped), item)
     return list(plans.values())
 
@@ -435,6 +465,8 @@ def prebuild(
         say(f"humming ({skipped.gpu}): skipped: {skipped.skipped}")
     if not todo:
         return 0
+    for source in dict.fromkeys(p.source for p in todo if p.source):
+        say(f"humming: layer shapes from {source}")
     if not dry_run:
         say(f"humming: {ready or check_ready(todo, gpus)}, cache {directory}")
     built_now = 0

@@ -25,6 +25,10 @@ from vllm_minimax.serve_config import (
 # Checkpoints whose config.json this package knows without reading it: MiniMax M3's published
 # text config (m3_geometry.M3_TEXT_CONFIG).
 M3_CHECKPOINT_PREFIX = "MiniMaxAI/MiniMax-M3"
+# The one checkpoint whose quantization this package knows too (known_config_json). The name
+# must match exactly: the BF16 checkpoint shares the prefix above, and no other name's
+# quantization is known.
+M3_MXFP8_CHECKPOINT = "MiniMaxAI/MiniMax-M3-MXFP8"
 
 
 class PrebuildError(warmup.WarmupError):
@@ -206,6 +210,25 @@ def read_config_json(model: str) -> tuple[Any, str] | None:
         return json.loads(candidate.read_text(encoding="utf-8")), str(candidate)
     except (OSError, ValueError) as error:
         raise PrebuildError(f"{candidate}: cannot be read ({error})") from None
+
+
+def known_config_json(model: str) -> tuple[dict[str, Any], str] | None:
+    """For :data:`M3_MXFP8_CHECKPOINT` exactly, the ``config.json`` this package knows for it,
+    with a label that says so: MiniMax M3's published text config (``m3_geometry``) under
+    ``text_config`` and the MXFP8 quantization config (``mxfp8_checkpoint``), the geometry and
+    quantization ``make-tiny-model --geometry m3`` writes. None for any other name. Reads and
+    downloads nothing; callers try :func:`read_config_json` first, so a real copy wins."""
+    if model != M3_MXFP8_CHECKPOINT:
+        return None
+    from vllm_minimax.m3_geometry import M3_TEXT_CONFIG
+    from vllm_minimax.mxfp8_checkpoint import MXFP8_QUANTIZATION_CONFIG
+
+    known = {"quantization_config": MXFP8_QUANTIZATION_CONFIG, "text_config": M3_TEXT_CONFIG}
+    label = (
+        f"the known geometry of {model} (vllm_minimax/m3_geometry.py, MXFP8): no config.json"
+        " of it here, none downloaded"
+    )
+    return json.loads(json.dumps(known)), label
 
 
 def no_config_json(model: str) -> PrebuildError:

@@ -63,6 +63,7 @@ from vllm_minimax.m3_geometry import (
     rank_text_config,
     weight_bytes,
 )
+from vllm_minimax.mxfp8_checkpoint import MXFP8_QUANTIZATION_CONFIG
 from vllm_minimax.tiny_tokenizer import build_rank_tokenizer, build_tokenizer
 
 # Small everywhere except the indexer, which keeps MiniMax M3's real geometry
@@ -528,15 +529,6 @@ WEIGHT_LAYOUTS = ("fp8-online", "mxfp8", "bf16")
 # draw with its projections stored as MXFP8 (vllm_minimax/mxfp8_checkpoint.py).
 RANDOM_WEIGHT_LAYOUTS = ("bf16", "mxfp8")
 DEFAULT_WEIGHT_LAYOUT = "fp8-online"
-# What vLLM 0.34.0 reads from a MiniMax checkpoint tagged ``quant_method: mxfp8``
-# (``ModelOptMxFp8Config.from_config``): the tag, which it maps to ``modelopt_mxfp8``, and
-# ``ignored_layers`` (its exclude list). MiniMaxAI/MiniMax-M3-MXFP8's own list is not known
-# here; ``lm_head`` is assumed on it (vllm_minimax/memory_budget.py states the same
-# assumption), the router is never quantized (vLLM builds it without the quantization config).
-MXFP8_QUANTIZATION_CONFIG: dict[str, Any] = {
-    "quant_method": "mxfp8",
-    "ignored_layers": ["lm_head"],
-}
 # The whole of MiniMax M3, config and tokenizer only, in the published checkpoint's
 # ``minimax_m3_vl`` layout, for a multi-GPU `vllm serve` of the shipped configs with dummy
 # weights: that layout is the one vLLM 0.34.0 turns into an MTP draft when the speculative

@@ -8,7 +8,10 @@ compile writes an empty cubin. What is compared is what Humming keys: the kernel
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import humming  # noqa: F401  (in the lock: a missing Humming fails here, not skips)
@@ -271,3 +274,134 @@ def test_the_shipped_configs_parallelism_decides_the_experts_shapes(tmp_path, mo
     }
     assert {x.num_experts for x in two[0].layers if x.num_experts} == {8}
     assert {(x.shape_n, x.shape_k) for x in one[0].layers if x.name == "o_proj"} == {(6144, 1024)}
+
+
+PUBLISHED = "MiniMaxAI/MiniMax-M3-MXFP8"
+KNOWN = f"the known geometry of {PUBLISHED} (vllm_minimax/m3_geometry.py, MXFP8)"
+SM90_CONFIGS = ["h100-8x", "h100-16x-2node", "h200-8x", "h200-8x-bf16"]
+RECORD_ARGV = """#!/bin/sh
+printf '%s\\n' "$@" > "$RECORD"
+"""
+
+
+@pytest.fixture
+def no_hub_copy(tmp_path, monkeypatch) -> Path:
+    """An empty Hugging Face cache (no snapshot of any model here), which it returns."""
+    import huggingface_hub
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    return hub
+
+
+def _plans(model: str, configs: list[str] = SM90_CONFIGS, gpus=("h100", "h200")) -> list:
+    serve = REPO / "configs" / "serve"
+    paths = [serve / f"{name}.yaml" for name in configs]
+    return ph.plans_for(paths, model, [GPU_TARGETS[gpu] for gpu in gpus])
+
+
+def _experts(item: ph.HummingPlan) -> set[tuple[int, int, int, str]]:
+    return {
+        (x.num_experts, x.shape_n, x.shape_k, x.gemm_type) for x in item.layers if x.num_experts
+    }
+
+
+def test_the_published_checkpoints_name_plans_what_its_config_json_would(
+    tmp_path, no_hub_copy, monkeypatch
+):
+    """No copy of MiniMaxAI/MiniMax-M3-MXFP8 here: its name plans the layers of the config.json
+    `make-tiny-model --geometry m3` writes (the published minimax_m3_vl layout, MXFP8), per GPU
+    and per TP/EP of the shipped SM90 configs, and says where they came from."""
+    monkeypatch.delenv("VLLM_HUMMING_MOE_GEMM_TYPE", raising=False)
+    model = tmp_path / "m3"
+    assert main(["make-tiny-model", str(model), "--geometry", "m3"]) == 0
+    text = json.loads((model / "config.json").read_text())["text_config"]
+    assert "layer_types" not in text and "moe_layer_freq" in text  # the published schema
+    from_file, from_name = _plans(str(model)), _plans(PUBLISHED)
+    assert [(p.gpu, p.layers, p.skipped) for p in from_name] == [
+        (p.gpu, p.layers, p.skipped) for p in from_file
+    ]
+    assert {p.source for p in from_file} == {str(model / "config.json")}
+    assert {p.source.split(":")[0] for p in from_name} == {KNOWN}
+    # TP 8 + EP 8 (h100-8x, h200-8x, h200-8x-bf16), and EP 16 over two nodes: each on both GPUs.
+    assert [(p.gpu, p.skipped) for p in from_name] == [(g, None) for g in ("h100", "h200") * 2]
+    whole = {(2 * 3072, 6144), (6144, 3072)}
+    for item, experts in zip(from_name, (16, 16, 8, 8), strict=True):
+        assert _experts(item) == {(experts, n, k, "grouped_contiguous") for n, k in whole}
+    said: list[str] = []
+    o_proj = [x for x in from_name[0].layers if x.name == "o_proj"]
+    ph.prebuild(
+        [ph.HummingPlan("h100", o_proj, source=from_name[0].source)], GPU_TARGETS, True, said.append
+    )
+    assert said == [
+        f"humming: layer shapes from {KNOWN}: no config.json of it here, none downloaded",
+        "humming (h100): 1 layer shapes (dry run: nothing built)",
+    ]
+
+
+@pytest.mark.parametrize(
+    "model",
+    ["MiniMaxAI/MiniMax-M3", "MiniMaxAI/MiniMax-M3-MXFP8-EAGLE", "someone/MiniMax-M3-MXFP8"],
+)
+def test_another_hub_name_without_a_copy_here_is_skipped(no_hub_copy, model):
+    """Only the published MXFP8 checkpoint's quantization is known: the BF16 checkpoint (the same
+    prefix) and any other name are skipped as before, naming --model DIR."""
+    why = f"no config.json for {model} here to tell its quantization (pass --model DIR)"
+    assert [(p.gpu, p.layers, p.skipped) for p in _plans(model, ["h200-8x"])] == [
+        ("h100", [], why),
+        ("h200", [], why),
+    ]
+
+
+def test_a_cached_snapshot_of_the_published_checkpoint_wins_over_its_known_geometry(no_hub_copy):
+    """A config.json in the Hugging Face cache is read, not the known geometry: here one
+    without a quantization config, whose kernels are not prebuilt."""
+    snapshot = no_hub_copy / "models--MiniMaxAI--MiniMax-M3-MXFP8" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"text_config": M3_TEXT_CONFIG}))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123")
+    [item] = _plans(PUBLISHED, ["h200-8x"], ["h200"])
+    assert item.source == str(snapshot / "config.json")
+    assert item.skipped == "the checkpoint is not MXFP8 (its Humming kernels are not prebuilt)"
+
+
+def test_the_images_prebuild_plans_the_published_checkpoints_kernels(tmp_path, no_hub_copy):
+    """docker/prebuild.sh (its build command recorded, not run) asks `warmup --prebuild` for the
+    published checkpoint, whose Humming layers are planned for every config and GPU it names."""
+    from vllm_minimax.cli import build_parser
+
+    recorder = tmp_path / "record-argv"
+    recorder.write_text(RECORD_ARGV)
+    recorder.chmod(0o755)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("PREBUILD_")},
+        "PYTHON": sys.executable,
+        "PIP": "echo PIP",
+        "VLLM_MINIMAX": str(recorder),
+        "RECORD": str(tmp_path / "argv"),
+        "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "flashinfer"),
+        "HUMMING_CACHE_DIR": str(tmp_path / "humming"),
+    }
+    script = REPO / "docker" / "prebuild.sh"
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    args = build_parser().parse_args((tmp_path / "argv").read_text().splitlines())
+    assert args.prebuild and args.model == PUBLISHED
+    plans = ph.plans_for(args.config, args.model, [GPU_TARGETS[gpu] for gpu in args.gpu])
+    assert {(p.gpu, p.skipped) for p in plans} == {("h100", None), ("h200", None)}
+    assert {x.num_experts for p in plans for x in p.layers if x.num_experts} == {8, 16}
+
+
+def test_an_h100_pcie_tunes_for_itself_and_shares_only_kernels_of_the_same_code(nvrtc):
+    """The SM count is in no kernel's key: it picks the tuning, whose kernels' source is keyed,
+    and the launch grid, set at run time. An H100 PCIe (114 SMs) tuning full attention's qkv_proj
+    picks kernels the H100's prebuild built and kernels it did not (built at its start)."""
+    from humming.jit.runtime import KernelRuntime
+
+    layers = [x for x in _slice_layers() if x.name == "qkv_proj (full attention)"]
+    h100 = _reference_kernels(layers, _h100_as_logged())
+    KernelRuntime._instances.clear()
+    pcie = _reference_kernels(layers, _h100_as_logged() | {"sm_count": 114})
+    assert h100 & pcie and pcie - h100

@@ -538,6 +538,19 @@ def vllm_cache(tmp_path, monkeypatch) -> Path:
     return root
 
 
+@pytest.fixture
+def humming_plans(monkeypatch) -> list:
+    """The prebuild's Humming step stood in for, in the tests of its other steps (the published
+    checkpoint's name gives it the full geometry's kernels, minutes of NVRTC): the plans it is
+    handed, nothing checked or built (test_prebuild_humming.py and the test below build)."""
+    from vllm_minimax import prebuild_humming
+
+    handed: list = []
+    monkeypatch.setattr(prebuild_humming, "check_ready", lambda plans, gpus: "stood in")
+    monkeypatch.setattr(prebuild_humming, "prebuild", lambda plans, *a: handed.extend(plans) or 0)
+    return handed
+
+
 def _prebuild_args(tmp_path: Path, model: str = "MiniMaxAI/MiniMax-M3-MXFP8"):
     import argparse
 
@@ -565,10 +578,14 @@ def _stand_in_flashinfer_builds(monkeypatch: pytest.MonkeyPatch, cache: Path) ->
 
 
 def test_the_prebuild_fills_vllms_model_info_for_the_served_architecture(
-    cache, vllm_cache, monkeypatch, tmp_path, capsys, patched_vllm_root
+    cache, vllm_cache, monkeypatch, tmp_path, capsys, patched_vllm_root, humming_plans
 ):
     """The patched model package (its hash covers the series' files) gets the file a fresh
-    server reads; the prebuild names it in one line. FlashInfer's builds are stand-ins."""
+    server reads; the prebuild names it in one line. FlashInfer's builds are stand-ins, and
+    Humming's step is handed the published checkpoint's layers (no config.json of it here)."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "no-hub"))
     from vllm.model_executor.models import registry
 
     _stand_in_flashinfer_builds(monkeypatch, cache)
@@ -579,6 +596,9 @@ def test_the_prebuild_fills_vllms_model_info_for_the_served_architecture(
     assert prebuild.main(_prebuild_args(tmp_path)) == 0
 
     assert f"vLLM model info: {architecture}: {path} (written)\n" in capsys.readouterr().out
+    assert [(p.gpu, p.skipped) for p in humming_plans] == [("h200", None)]
+    assert humming_plans[0].layers
+    assert humming_plans[0].source.startswith("the known geometry of MiniMaxAI/MiniMax-M3-MXFP8")
     fresh = registry._LazyRegisteredModel(entry.module_name, entry.class_name)
     # The hash vLLM keys it on is of the patched tree's package (the series' files in it).
     origin = importlib.util.find_spec(entry.module_name).origin
@@ -649,7 +669,7 @@ def test_the_prebuild_builds_an_mxfp8_models_humming_gemm_kernels(
 
 
 def test_an_unwritable_vllm_cache_stops_the_prebuild_before_it_builds(
-    cache, vllm_cache, monkeypatch, tmp_path, capsys
+    cache, vllm_cache, monkeypatch, tmp_path, capsys, humming_plans
 ):
     built: list[object] = []
     monkeypatch.setattr(prebuild, "plan_programs", lambda plan, builder: built.append(plan))
@@ -672,7 +692,7 @@ def test_an_unwritable_vllm_cache_stops_the_prebuild_before_it_builds(
 
 
 def test_the_prebuild_holds_one_lock_over_its_check_build_and_write(
-    cache, vllm_cache, monkeypatch, tmp_path
+    cache, vllm_cache, monkeypatch, tmp_path, humming_plans
 ):
     """`vllm-minimax warmup --prebuild` (prebuild.run) checks the cache, builds and writes
     its manifest under the lock the engine's check takes, held throughout; FlashInfer's
