@@ -25,6 +25,17 @@ ARG PREBUILD_CONFIGS="h100-8x h100-16x-2node h200-8x h200-8x-bf16"
 ARG PREBUILD_KV_CACHE_DTYPES="auto fp8"
 ARG PREBUILD_GPUS="h100 h200"
 ENV FLASHINFER_WORKSPACE_BASE=/opt/flashinfer
+# The same step builds Humming's GEMM kernels of MiniMaxAI/MiniMax-M3-MXFP8 (its geometry as this
+# package knows it) for each config's TP/EP on each of PREBUILD_GPUS that is h100 or h200 (the
+# cards whose device properties it knows), into the cache the server reads. Humming keys a kernel
+# by its generated source and flags, the absolute paths and modification times of its installed
+# headers, the NVRTC version and CUDA_HOME's include paths: a container of this image finds them
+# as it runs the same Humming install and toolkit; a derived image that reinstalls
+# humming-kernels, or a run with another CUDA_HOME, builds its own at start. The SM count is in no
+# key and compiled into no kernel: it picks the tuning (block shapes, stages: in the source) and
+# the launch grid (set on the live GPU). An H100 PCIe (114 SMs) or an H20 tunes for itself, loads
+# an image kernel only where it picks the same code, and builds the rest at start.
+ENV HUMMING_CACHE_DIR=/opt/humming
 RUN PREBUILD_CONFIGS="${PREBUILD_CONFIGS}" PREBUILD_KV_CACHE_DTYPES="${PREBUILD_KV_CACHE_DTYPES}" \
     PREBUILD_GPUS="${PREBUILD_GPUS}" bash /opt/vllm-minimax/docker/prebuild.sh
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The image's FlashInfer programs, built at `docker build` (no GPU there); the Dockerfile runs
-# this after docker/build.sh, and CI runs it with the build command replaced
-# (tests/cpu/test_docker_build.py).
+# The image's FlashInfer programs and Humming GEMM kernels, built at `docker build` (no GPU
+# there); the Dockerfile runs this after docker/build.sh, and CI runs it with the build command
+# replaced (tests/cpu/test_docker_build.py, tests/cpu/test_prebuild_humming.py).
 #
 #   docker/prebuild.sh
 #
@@ -13,19 +13,26 @@
 # 2. Runs `vllm-minimax warmup --prebuild` for PREBUILD_CONFIGS, each with every KV-cache dtype
 #    of PREBUILD_KV_CACHE_DTYPES, on every GPU of PREBUILD_GPUS, into FLASHINFER_WORKSPACE_BASE:
 #    FlashInfer picks each program as on that GPU, the CUDA compiler builds it, and the server
-#    started from the image loads them (docs/warm-start.md). PREBUILD_CONFIGS empty skips it.
-# 3. Leaves the cache writable by group 0, as the base image does its own caches for the
-#    non-root `vllm` user (FlashInfer takes file locks there).
+#    started from the image loads them (docs/warm-start.md). The same command builds Humming's
+#    GEMM kernels of the model (no --model: MiniMaxAI/MiniMax-M3-MXFP8, from its known
+#    geometry) for each config's TP/EP on each GPU into HUMMING_CACHE_DIR, which the server
+#    must read as it is (the image's ENV). PREBUILD_CONFIGS empty skips it.
+# 3. Leaves both caches writable by group 0, as the base image does its own caches for the
+#    non-root `vllm` user (FlashInfer takes file locks there; Humming writes what a start
+#    still builds into its cache).
 #
 # Environment: PYTHON (default python3), PIP (default "$PYTHON -m pip"), VLLM_MINIMAX (default
-# "$PYTHON -m vllm_minimax"), FLASHINFER_WORKSPACE_BASE (required), PREBUILD_CONFIGS,
-# PREBUILD_KV_CACHE_DTYPES, PREBUILD_GPUS (defaults below), CUDA_HOME and CXX (FlashInfer's).
+# "$PYTHON -m vllm_minimax"), FLASHINFER_WORKSPACE_BASE and HUMMING_CACHE_DIR (required),
+# PREBUILD_CONFIGS, PREBUILD_KV_CACHE_DTYPES, PREBUILD_GPUS (defaults below), CUDA_HOME and CXX
+# (FlashInfer's).
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
 PIP="${PIP:-$PYTHON -m pip}"
 VLLM_MINIMAX="${VLLM_MINIMAX:-$PYTHON -m vllm_minimax}"
 BASE="${FLASHINFER_WORKSPACE_BASE:?prebuild.sh: set FLASHINFER_WORKSPACE_BASE}"
+HUMMING="${HUMMING_CACHE_DIR:?prebuild.sh: set HUMMING_CACHE_DIR (where the server reads Humming kernels)}"
+export HUMMING_CACHE_DIR="$HUMMING"
 # The shipped serving configs for SM90 (the rtx-pro-6000 ones are SM120, where FlashInfer
 # 0.7.4 keeps no MSA kernel on disk).
 CONFIGS="${PREBUILD_CONFIGS-h100-8x h100-16x-2node h200-8x h200-8x-bf16}"
@@ -83,7 +90,7 @@ echo "prebuild.sh: vllm-minimax ${args[*]}"
 $VLLM_MINIMAX "${args[@]}"
 
 # --- 3. shared with group 0 ---------------------------------------------------------------
-mkdir -p "$BASE"
-chgrp -R 0 "$BASE"
-chmod -R g+rwX "$BASE"
-echo "prebuild.sh: FlashInfer's prebuilt programs are in $BASE"
+mkdir -p "$BASE" "$HUMMING"
+chgrp -R 0 "$BASE" "$HUMMING"
+chmod -R g+rwX "$BASE" "$HUMMING"
+echo "prebuild.sh: FlashInfer's prebuilt programs are in $BASE, Humming's kernels in $HUMMING"

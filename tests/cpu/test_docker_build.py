@@ -273,18 +273,22 @@ def _fake_distribution(site: Path, name: str, version: str) -> None:
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
 
 
-def run_prebuild(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+def run_prebuild(tmp_path: Path, **env: str | None) -> subprocess.CompletedProcess[str]:
+    """docker/prebuild.sh with pip and the build command echoed; ``NAME=None`` unsets NAME."""
     environment = {
         **os.environ,
         "PYTHON": sys.executable,
         "PIP": "echo PIP",
         "VLLM_MINIMAX": "echo VLLM_MINIMAX",
         "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "flashinfer"),
+        "HUMMING_CACHE_DIR": str(tmp_path / "humming"),
         **env,
     }
     for name in ("PREBUILD_CONFIGS", "PREBUILD_KV_CACHE_DTYPES", "PREBUILD_GPUS"):
         if name not in env:
             environment.pop(name, None)
+    for name in [name for name, value in env.items() if value is None]:
+        environment.pop(name)
     return subprocess.run(
         ["bash", str(PREBUILD_SH)], env=environment, capture_output=True, text=True, timeout=120
     )
@@ -336,9 +340,53 @@ def test_dockerfile_prebuilds_into_the_cache_the_server_reads():
     assert script_default.group(1) == dockerfile_default.group(1)
 
 
+def test_documented_docker_runs_hide_none_of_the_images_caches():
+    """No documented `docker run` mounts a host directory over (or above) the image's FlashInfer
+    or Humming cache, which would hide what `docker build` put there, nor Humming's default cache
+    under /root, which the image's HUMMING_CACHE_DIR leaves unread (a named volume starts as a
+    copy of the image's directory, so it may)."""
+    text = DOCKERFILE.read_text()
+    caches = [
+        re.search(rf"^ENV {name}=(/\S+)$", text, re.M).group(1)  # type: ignore[union-attr]
+        for name in ("FLASHINFER_WORKSPACE_BASE", "HUMMING_CACHE_DIR")
+    ]
+    for doc in IMAGE_DOCS:
+        for source, target in re.findall(r"-v (\S+?):(/\S*)", doc.read_text()):
+            where = f"{doc.relative_to(REPO_ROOT)}: -v {source}:{target}"
+            assert not target.startswith("/root/.humming"), f"{where}: not read in the image"
+            if source.startswith(("/", "~", ".", "$")):
+                for cache in caches:
+                    hidden = cache == target or cache.startswith(target.rstrip("/") + "/")
+                    assert not hidden, f"{where} hides the image's {cache}"
+
+
 REPORT_ENV = """#!/bin/sh
 echo "LIBRARY_PATH=${LIBRARY_PATH:-}"
+echo "HUMMING_CACHE_DIR=${HUMMING_CACHE_DIR:-}"
 """
+
+
+def test_the_image_builds_hummings_kernels_where_its_server_reads_them(tmp_path):
+    """The Dockerfile's HUMMING_CACHE_DIR is set before the prebuild step runs, reaches the build
+    command (which builds the published checkpoint's Humming kernels: test_prebuild_humming.py),
+    and the cache is group-0 writable after; without it the step stops before building."""
+    text = DOCKERFILE.read_text()
+    env = re.search(r"^ENV HUMMING_CACHE_DIR=(/\S+)$", text, re.M)
+    assert env, "the Dockerfile sets HUMMING_CACHE_DIR to a path in the image"
+    assert env.start() < text.index("docker/prebuild.sh")
+    assert env.group(1) != "/opt/flashinfer"  # not under the FlashInfer mount's path either
+    report = tmp_path / "report-env"
+    report.write_text(REPORT_ENV)
+    report.chmod(0o755)
+    humming = tmp_path / "image" / "humming"
+    result = run_prebuild(tmp_path, VLLM_MINIMAX=str(report), HUMMING_CACHE_DIR=str(humming))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"HUMMING_CACHE_DIR={humming}" in result.stdout.splitlines()
+    assert humming.stat().st_mode & 0o070 == 0o070
+    unset = run_prebuild(tmp_path, VLLM_MINIMAX=str(report), HUMMING_CACHE_DIR=None)
+    assert unset.returncode == 1
+    assert "prebuild.sh: set HUMMING_CACHE_DIR" in unset.stderr
+    assert "HUMMING_CACHE_DIR=" not in unset.stdout
 
 
 @pytest.mark.parametrize("with_stubs", [False, True])
