@@ -287,11 +287,11 @@ printf '%s\\n' "$@" > "$RECORD"
 @pytest.fixture
 def no_hub_copy(tmp_path, monkeypatch) -> Path:
     """An empty Hugging Face cache (no snapshot of any model here), which it returns."""
-    import huggingface_hub
+    from huggingface_hub import constants
 
     hub = tmp_path / "hub"
     hub.mkdir()
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
     return hub
 
 

@@ -583,9 +583,9 @@ def test_the_prebuild_fills_vllms_model_info_for_the_served_architecture(
     """The patched model package (its hash covers the series' files) gets the file a fresh
     server reads; the prebuild names it in one line. FlashInfer's builds are stand-ins, and
     Humming's step is handed the published checkpoint's layers (no config.json of it here)."""
-    import huggingface_hub
+    from huggingface_hub import constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "no-hub"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "no-hub"))
     from vllm.model_executor.models import registry
 
     _stand_in_flashinfer_builds(monkeypatch, cache)
