@@ -340,6 +340,23 @@ def test_the_published_checkpoints_name_plans_what_its_config_json_would(
     ]
 
 
+def test_both_schemas_give_the_same_layer_kinds_and_index_dim():
+    """The published schema's per-layer flags (1: sparse attention, MoE) and its index dim, here
+    64 (not the head dim a missing one falls back to), as the flat schema spells them."""
+    published = {
+        "sparse_attention_config": {"sparse_attention_freq": [0, 1, 1], "sparse_index_dim": 64},
+        "moe_layer_freq": [0, 0, 1],
+    }
+    flat = {
+        "layer_types": ["full_attention", "minimax_m3_sparse", "minimax_m3_sparse"],
+        "mlp_layer_types": ["dense", "dense", "sparse"],
+        "index_head_dim": 64,
+    }
+    assert ph.layer_kinds(published) == ph.layer_kinds(flat) == (*flat.values(),)
+    with pytest.raises(KeyError):
+        ph.layer_kinds({"moe_layer_freq": [0, 1]})  # no attention kinds in either spelling
+
+
 @pytest.mark.parametrize(
     "model",
     ["MiniMaxAI/MiniMax-M3", "MiniMaxAI/MiniMax-M3-MXFP8-EAGLE", "someone/MiniMax-M3-MXFP8"],
