@@ -32,7 +32,6 @@ PIP="${PIP:-$PYTHON -m pip}"
 VLLM_MINIMAX="${VLLM_MINIMAX:-$PYTHON -m vllm_minimax}"
 BASE="${FLASHINFER_WORKSPACE_BASE:?prebuild.sh: set FLASHINFER_WORKSPACE_BASE}"
 HUMMING="${HUMMING_CACHE_DIR:?prebuild.sh: set HUMMING_CACHE_DIR (where the server reads Humming kernels)}"
-export HUMMING_CACHE_DIR="$HUMMING"
 # The shipped serving configs for SM90 (the rtx-pro-6000 ones are SM120, where FlashInfer
 # 0.7.4 keeps no MSA kernel on disk).
 CONFIGS="${PREBUILD_CONFIGS-h100-8x h100-16x-2node h200-8x h200-8x-bf16}"
