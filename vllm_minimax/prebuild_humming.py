@@ -439,12 +439,21 @@ def check_ready(plans: list[HummingPlan], gpus: dict[str, GpuTarget]) -> str:
 
 def build(calls: list[tuple[HummingLayer, str, str, str | None]]) -> list[str]:
     """Build every call's kernels through ``HummingKernel.prepare_kernels`` (device 0, the
-    installed one); the distinct ``kernel.cubin`` paths, built now or found."""
+    installed one); the distinct ``kernel.cubin`` paths, built now or found. A kernel that
+    does not compile, or a cache that fills, is a :class:`PrebuildError` naming the layer;
+    the kernels finished before it stay in the cache."""
     from humming.kernel.humming import HummingKernel
 
     with recorded_kernels() as paths:
-        for _layer, layer_config, compute, tuning in calls:
-            HummingKernel.prepare_kernels(layer_config, compute, tuning, 0)
+        for layer, layer_config, compute, tuning in calls:
+            try:
+                HummingKernel.prepare_kernels(layer_config, compute, tuning, 0)
+            except (RuntimeError, OSError) as error:
+                raise PrebuildError(
+                    f"Humming could not build the kernels of {layer.name}"
+                    f" ({layer.shape_n}x{layer.shape_k}): {error}"
+                    " (the kernels it finished stay in the cache)"
+                ) from None
     return sorted(set(paths))
 
 

@@ -156,6 +156,37 @@ def test_the_prebuilds_kernels_are_hummings_own_for_the_h100(nvrtc, capsys):
     assert _reference_kernels(layers, _h100_as_logged()) == built
 
 
+def test_a_kernel_that_does_not_compile_names_its_layer_and_keeps_the_others(
+    nvrtc, monkeypatch, capsys
+):
+    """NVRTC fails on the third kernel: one PrebuildError naming the layer (the CLI's exit 2
+    with that line), not Humming's traceback; the kernels that compiled stay in the cache."""
+    from humming.jit.compiler import NVRTCCompiler
+
+    compiled: list[str] = []
+
+    def fails_third(cls, source_path, cache_dirname, sm_version, kernel_expr, flags):
+        compiled.append(str(cache_dirname))
+        if len(compiled) == 3:
+            return 1, "", "kernel.cu(1): error: planted"
+        (Path(cache_dirname) / "kernel_tmp.cubin").write_bytes(b"")
+        return 0, "", ""
+
+    monkeypatch.setattr(NVRTCCompiler, "_compile", classmethod(fails_third))
+    layers = [x for x in _slice_layers() if x.name == "o_proj"]
+    with pytest.raises(PrebuildError) as raised:
+        ph.prebuild([ph.HummingPlan("h100", layers)], GPU_TARGETS, False, print)
+    message = str(raised.value)
+    assert message.startswith("Humming could not build the kernels of o_proj (")
+    assert "NVRTCCompiler failed with exit code 1" in message
+    assert message.endswith("(the kernels it finished stay in the cache)")
+    failed = Path(compiled[2])
+    assert str(failed) in message and not (failed / "kernel.cubin").exists()
+    built = {p.parent for p in nvrtc.glob("*/kernel.cubin")}
+    assert built == {Path(d) for d in compiled} - {failed} and len(built) >= 2
+    capsys.readouterr()
+
+
 def test_another_cuda_include_path_is_another_key(nvrtc, monkeypatch):
     """What the server's CUDA_HOME gives Humming's include paths is in every key: a prebuild
     under another one builds kernels the server never finds (o_proj alone: no MoE tuning)."""
