@@ -297,9 +297,9 @@ AGREEMENT_ROUNDS = 3
 AGREEMENT_TOLERANCE = 1.6
 
 
-# Set by scripts/test, which runs this file last in the lane beside the main one: the file's
-# other tests run while the main lane does, and the clients are timed only once scripts/test
-# has made this file, when the main lane is done and nothing else runs.
+# Set by scripts/test, which runs this file last in one of the lanes beside the main one: the
+# file's other tests run while the other lanes do, and the clients are timed only once
+# scripts/test has made this file, when the other lanes are done and nothing else runs.
 QUIET_CPU_SIGNAL = "VLLM_MINIMAX_QUIET_CPU_FILE"
 
 
@@ -309,7 +309,7 @@ def quiet_cpu(server: VllmServer) -> tuple[VllmServer, Path | None]:
     (``$VLLM_MINIMAX_QUIET_CPU_FILE``; None: it is already). The probe imports its clients
     before it waits for that file and sends nothing until then; the seconds it waited go to
     that file's name plus ``.waited``, which scripts/test prints: no wait means this lane,
-    not the main one, was the longer (or they ended within the probe's imports)."""
+    not the others, was the longest (or they ended within the probe's imports)."""
     signal_file = os.environ.get(QUIET_CPU_SIGNAL)
     return server, Path(signal_file) if signal_file else None
 
