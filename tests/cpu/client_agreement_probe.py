@@ -16,8 +16,8 @@ detail (``--save-detailed``) with this project's :func:`level_metrics`, so defin
 compared without timing noise.
 
 With ``--wait-for``, the probe imports that client and builds its prompts first, then waits
-until FILE exists before it sends anything (scripts/test makes it when the other lane is
-done), so the imports overlap that lane's end and only the levels need the CPU alone; the
+until FILE exists before it sends anything (scripts/test makes it when the other lanes are
+done), so the imports overlap their end and only the levels need the CPU alone; the
 seconds it waited are ``waited_s`` in its JSON.
 """
 
