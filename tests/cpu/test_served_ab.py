@@ -499,6 +499,17 @@ def test_the_script_serves_the_rotated_arms_with_three_rounds_and_the_fourth_arm
         code, PYTHONPATH=f"{SCRIPT.parent.parent}", SERVED_ARMS="stock nope", TMPDIR=str(tmp_path)
     )
     assert refused.returncode == 2 and "no arm nope" in refused.stderr
+    # Named in SERVED_ARMS, (w) runs in its place there, once.
+    done = run_bash(
+        code,
+        PYTHONPATH=f"{SCRIPT.parent.parent}",
+        SERVED_ARMS="stock w8a8 fp8-flashinfer",
+        W8A8_ARGS=str(extra),
+        TMPDIR=str(tmp_path),
+    )
+    argv = done.stdout.splitlines()
+    arms = [ab.parse_arm(argv[i + 1]) for i, word in enumerate(argv) if word == "--arm"]
+    assert [arm.name for arm in arms] == ["w8a8", "fp8-flashinfer", "stock"]
 
 
 HUMMING_A8_ARM = SCRIPT.parent.parent / "evals" / "mxfp8-humming-a8-arm.yaml"
