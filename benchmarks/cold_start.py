@@ -43,7 +43,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -395,6 +395,8 @@ def run(args: argparse.Namespace) -> int:
         "config": args.config,
         "server_args": list(args.server_arg),
     }
+    if args.commit:
+        result["commit"] = args.commit
     launched = time.time()
     ready_at: float | None = None
     try:
@@ -563,8 +565,9 @@ def held_by(row: dict[str, Any]) -> str:
 
 
 def summarize(rows: Sequence[dict[str, Any]], gpu: str, commit: str) -> dict[str, Any]:
-    """summary.json: per model label and state the ready time, phases, JIT warm-up kernels
-    and cache builds; and each target, met or missed (None: not measured)."""
+    """summary.json: per model label and state the commit it ran at (the run's own, else
+    ``commit``), the ready time, phases, JIT warm-up kernels and cache builds; and each
+    target, met or missed (None: not measured)."""
     runs: dict[str, dict[str, Any]] = {}
     for row in rows:
         state = row.get("state") or STATE_OF_ARM[row["arm"]]
@@ -575,6 +578,7 @@ def summarize(rows: Sequence[dict[str, Any]], gpu: str, commit: str) -> dict[str
         )
         ready = row.get("ready_s")
         runs.setdefault(row["name"], {})[state] = {
+            "commit": row.get("commit", commit),
             "ready_s": ready,
             # What the start would take without the slice's own router kernel (an estimate
             # for M3 as deployed, from the warm-up's progress bar).
@@ -655,10 +659,10 @@ def render_summary(summary: dict[str, Any], rows: Sequence[dict[str, Any]]) -> s
                 misses.append(f"- {state}: {'; '.join(errors)}")
     lines += ["", *misses, ""] if misses else [""]
     lines += [
-        "| model | state | ready s | "
+        "| model | state | commit | ready s | "
         + " | ".join(title for title, _ in PHASES)
         + " | JIT warm-up kernels | built (files) |",
-        "|---|---|---|" + "---|" * (len(PHASES) + 2),
+        "|---|---|---|---|" + "---|" * (len(PHASES) + 2),
     ]
     for name, states in summary["runs"].items():
         for state, run in states.items():
@@ -667,7 +671,7 @@ def render_summary(summary: dict[str, Any], rows: Sequence[dict[str, Any]]) -> s
             )
             built = ", ".join(f"{cache} {n}" for cache, n in run["built"].items() if n)
             lines.append(
-                f"| {name} | {state} | {_cell(run['ready_s'])} | "
+                f"| {name} | {state} | {run['commit']} | {_cell(run['ready_s'])} | "
                 + " | ".join(_cell(run["phases_s"].get(key)) for _, key in PHASES)
                 + f" | {kernels or '-'} | {built or '-'} |"
             )
@@ -675,8 +679,21 @@ def render_summary(summary: dict[str, Any], rows: Sequence[dict[str, Any]]) -> s
     return "\n".join(lines)
 
 
-def write_summary(runs: Sequence[Path], gpu: str, commit: str, out_dir: Path) -> dict[str, Any]:
-    rows = [json.loads(path.read_text()) for path in runs]
+def write_summary(
+    runs: Sequence[Path],
+    gpu: str,
+    commit: str,
+    out_dir: Path,
+    commit_of: Mapping[Path, str] | None = None,
+) -> dict[str, Any]:
+    """summary.json and report.md of ``runs``; ``commit_of`` names the commit of a run whose
+    record has none (one written before ``run --commit`` existed)."""
+    rows = []
+    for path in runs:
+        row = json.loads(path.read_text())
+        if commit_of and path in commit_of:
+            row.setdefault("commit", commit_of[path])
+        rows.append(row)
     summary = summarize(rows, gpu, commit)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -738,6 +755,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     one.add_argument("--work", required=True, help="where the arms' homes live")
     one.add_argument("--out", required=True, help="the run's JSON (its log beside it)")
     one.add_argument("--prebuilt", help="FLASHINFER_WORKSPACE_BASE of a prebuild")
+    one.add_argument("--commit", help="the checkout's commit, kept in the run's record")
     one.add_argument("--requests", type=int, default=8, help="short requests sent at once")
     one.add_argument("--timeout", type=float, default=540.0, help="seconds to wait for ready")
     one.add_argument("--server-command", default=SERVER_COMMAND)
@@ -754,6 +772,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary.add_argument("runs", nargs="+", type=Path)
     summary.add_argument("--gpu", required=True, help="the GPU's name")
     summary.add_argument("--commit", required=True, help="the checkout's commit")
+    summary.add_argument(
+        "--commit-of",
+        action="append",
+        default=[],
+        metavar="RUN=SHA",
+        help="the commit of a run whose record names none (repeat it)",
+    )
     summary.add_argument("--out-dir", required=True, type=Path)
     from_ab = commands.add_parser("from-ab", help="a fresh_empty run record from eval ab")
     from_ab.add_argument("ab_json", type=Path)
@@ -769,7 +794,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out.write_text(json.dumps(row, indent=1) + "\n")
         return 0
     if args.command == "summary":
-        write_summary(args.runs, args.gpu, args.commit, args.out_dir)
+        commit_of = {}
+        for item in args.commit_of:
+            path, sep, sha = item.rpartition("=")
+            if not sep or not path or not sha:
+                parser.error(f"--commit-of takes RUN=SHA, got {item!r}")
+            commit_of[Path(path)] = sha
+        write_summary(args.runs, args.gpu, args.commit, args.out_dir, commit_of)
         print((args.out_dir / "report.md").read_text())
         return 0
     print(report(args.runs, args.out))

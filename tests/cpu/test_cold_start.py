@@ -384,7 +384,37 @@ def test_summary_names_the_target_rows_and_what_holds_a_miss(tmp_path):
         "- MXFP8 EP slice ready, machine that started it once <= 60 s: held by JIT warm-up"
         in report
     )
-    assert "| rank-mxfp8-ep | fresh_empty | 311.0 | 45.0 | 20.0 | 157.0 |" in report
+    assert "| rank-mxfp8-ep | fresh_empty | abc1234 | 311.0 | 45.0 | 20.0 | 157.0 |" in report
+
+
+def test_each_state_names_the_commit_it_ran_at(tmp_path):
+    """A run's own commit (``run --commit``, or ``summary --commit-of`` for an older record)
+    stays with its state; the others take the summary's."""
+    jit = {"LLFp32WGemm": 1}
+    rows = {
+        "empty": _slice_row("empty", 300.0, _slice_log(40, 20, 100, jit, 12), humming=0),
+        "prebuilt": _slice_row("prebuilt", 200.0, _slice_log(35, 10, 20, jit, 12), humming=0),
+        "carried": _slice_row("carried", 100.0, _slice_log(35, 10, 4, jit, 12), humming=0),
+    }
+    rows["carried"]["commit"] = "new5678"
+    runs = []
+    for arm, row in rows.items():
+        (tmp_path / f"{arm}.json").write_text(json.dumps(row))
+        runs.append(tmp_path / f"{arm}.json")
+    out = tmp_path / "out"
+    named = f"{tmp_path / 'prebuilt.json'}=mid9999"
+    common = ["--gpu", "G", "--commit", "old1234", "--out-dir", str(out)]
+    code = cold_start.main(["summary", *map(str, runs), *common, "--commit-of", named])
+    assert code == 0
+    states = json.loads((out / "summary.json").read_text())["runs"]["rank-mxfp8-ep"]
+    assert {state: run["commit"] for state, run in states.items()} == {
+        "fresh_empty": "old1234",
+        "fresh_prebuilt": "mid9999",
+        "warm": "new5678",
+    }
+    assert "| rank-mxfp8-ep | warm | new5678 | 100.0 |" in (out / "report.md").read_text()
+    with pytest.raises(SystemExit):
+        cold_start.main(["summary", str(runs[0]), *common, "--commit-of", "no-sha"])
 
 
 def test_summary_without_the_slice_says_not_measured(tmp_path):
