@@ -193,6 +193,18 @@ def _copy_tree(source: Path, target: Path) -> None:
     shutil.copytree(source, target, symlinks=True, copy_function=shutil.copy2)
 
 
+# What a prebuild keeps beside FlashInfer's programs (scripts/gpu-cold-start's prebuild runs
+# with VLLM_CACHE_ROOT=BASE/vllm and HUMMING_CACHE_DIR=BASE/humming), and where the prebuilt
+# arm's server reads it in its home: vLLM's model-info file and the CuTe-DSL executors under
+# vLLM's default VLLM_CACHE_ROOT (XDG_CACHE_HOME/vllm), Humming's GEMM kernels under its
+# default ~/.humming/cache. None of their keys holds the cache's path, so a copy is found.
+PREBUILT_IN_HOME = (
+    ("vllm/modelinfos", ".cache/vllm/modelinfos"),
+    ("vllm/cutedsl", ".cache/vllm/cutedsl"),
+    ("humming", ".humming/cache"),
+)
+
+
 def prepare_home(work: Path, name: str, arm: str, prebuilt: Path | None) -> dict[str, str]:
     """The environment of one arm's start (see the module).
 
@@ -235,17 +247,9 @@ def prepare_home(work: Path, name: str, arm: str, prebuilt: Path | None) -> dict
         else:
             _copy_tree(prebuilt, pristine)
         env["FLASHINFER_WORKSPACE_BASE"] = str(prebuilt)
-        # vLLM's model-info file the prebuild wrote (scripts/gpu-cold-start: VLLM_CACHE_ROOT
-        # BASE/vllm), where the server's vLLM reads it: XDG_CACHE_HOME/vllm.
-        modelinfos = prebuilt / "vllm" / "modelinfos"
-        if modelinfos.is_dir():
-            _copy_tree(modelinfos, home / ".cache" / "vllm" / "modelinfos")
-        # Humming's GEMM kernels the prebuild built (scripts/gpu-cold-start: HUMMING_CACHE_DIR
-        # BASE/humming), where the server's Humming reads them: ~/.humming/cache. Their keys
-        # hold no path of the cache, so a copy is found.
-        humming = prebuilt / "humming"
-        if humming.is_dir():
-            _copy_tree(humming, home / ".humming" / "cache")
+        for built, served in PREBUILT_IN_HOME:
+            if (prebuilt / built).is_dir():
+                _copy_tree(prebuilt / built, home / served)
     return env
 
 

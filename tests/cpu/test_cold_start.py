@@ -89,6 +89,18 @@ def test_prebuilt_arm_serves_the_prebuilds_humming_kernels_from_its_home(tmp_pat
     assert served.read_bytes() == b"cubin"
 
 
+def test_prebuilt_arm_serves_the_prebuilds_cutedsl_executors_from_its_home(tmp_path):
+    from vllm_minimax.compile_caches import cache_dirs
+
+    prebuilt = tmp_path / "prebuilt-rank-mxfp8-ep"
+    entry = prebuilt / "vllm" / "cutedsl" / "LLFp32WGemm" / "ab12.o"
+    entry.parent.mkdir(parents=True)
+    entry.write_bytes(b"object")
+    env = cold_start.prepare_home(tmp_path, "rank-mxfp8-ep", "prebuilt", prebuilt)
+    served = cache_dirs(env)["vllm_cutedsl"] / "LLFp32WGemm" / "ab12.o"
+    assert served.read_bytes() == b"object"
+
+
 def test_arms_that_need_an_earlier_one_say_so(tmp_path):
     with pytest.raises(SystemExit, match="run the empty arm first"):
         cold_start.prepare_home(tmp_path, "tiny", "carried", None)
