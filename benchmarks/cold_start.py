@@ -17,8 +17,9 @@ measured:
 - ``empty``: a fresh home; every compile cache empty, as on a new machine.
 - ``prebuilt``: a fresh home, with ``FLASHINFER_WORKSPACE_BASE`` the directory ``--prebuilt``
   where `vllm-minimax warmup --prebuild` built, restored as the prebuild left it, the
-  model-info file the prebuild wrote (``BASE/vllm/modelinfos``) in the home's vLLM cache, and
-  Humming's kernels it built (``BASE/humming``) in the home's ``~/.humming/cache``.
+  model-info file and CuTe-DSL router GEMMs the prebuild wrote (``BASE/vllm/modelinfos``,
+  ``BASE/vllm/cutedsl``) in the home's vLLM cache, and Humming's kernels it built
+  (``BASE/humming``) in the home's ``~/.humming/cache``.
 - ``carried``: the ``empty`` arm's home after its start, every cache it filled, in place.
 
 What it records: the seconds from launch to ``/health``; the phases of the start from vLLM's
@@ -312,6 +313,9 @@ def parse_log(text: str, launched: float | None = None) -> dict[str, Any]:
     found["prebuilt_check"] = prebuilt[-1] if prebuilt else None
     found["flashinfer_build_lines"] = len(re.findall(r"Building JIT module ", text))
     found["cute_dsl_compile_lines"] = len(re.findall(r"Compiling CuTe-DSL kernel ", text))
+    # Patch 0010's cache of vLLM's CuTe-DSL router GEMMs: each line is logged once a process.
+    found["vllm_cutedsl_loaded"] = "Loading CuTe-DSL kernels from " in text
+    found["vllm_cutedsl_saved"] = "Saving CuTe-DSL kernels to " in text
     after_ready = jit_events_in(text)
     found["triton_after_ready"] = sorted(
         {e["kernel"] for e in after_ready if e["event"] == "Triton kernel JIT compilation"}
@@ -592,6 +596,11 @@ def summarize(rows: Sequence[dict[str, Any]], gpu: str, commit: str) -> dict[str
             "jit_warmup_kernels": row.get("jit_warmup_kernels", []),
             "built": {name: entry["built"] for name, entry in row.get("caches", {}).items()},
             "built_after_ready": built_after_ready(row),
+            # Patch 0010's log lines: a prebuilt start of current entries loads, saves nothing.
+            "vllm_cutedsl": {
+                "loaded": row.get("vllm_cutedsl_loaded"),
+                "saved": row.get("vllm_cutedsl_saved"),
+            },
             "errors": [row[key] for key in ("server_error", "requests_error") if key in row],
             "held_by": held_by(row),
         }

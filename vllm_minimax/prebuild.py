@@ -20,7 +20,8 @@ which FlashInfer kernel wheels an environment holds for another release. ``prebu
 fills vLLM's model-info cache for the model's architectures (in ``$VLLM_CACHE_ROOT``), so a
 start need not import the model in a subprocess to inspect its class. ``prebuild_humming``
 builds an MXFP8 checkpoint's Humming GEMM kernels into ``$HUMMING_CACHE_DIR``, which the
-profile run would otherwise compile.
+profile run would otherwise compile; ``prebuild_cutedsl`` the MoE router gate's CuTe-DSL GEMMs
+(vLLM's JIT warm-up keys) into ``$VLLM_CACHE_ROOT/cutedsl`` (patch 0010).
 
 Beside the cache (``<version>/<arch>/`` + ``PREBUILD_MANIFEST``) it records what the programs
 were built with; the engine's warm-up compares that with its own FlashInfer, CUDA toolkit and
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_minimax import flashinfer_offline as offline
-from vllm_minimax import prebuild_humming, prebuild_modelinfo, warmup
+from vllm_minimax import prebuild_cutedsl, prebuild_humming, prebuild_modelinfo, warmup
 from vllm_minimax.prebuild_geometry import (
     INDEXER_WARMUP_MODULE,
     Plan,
@@ -221,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
         raise PrebuildError(
             "this vLLM lacks the series' FlashInfer warm-up: run `vllm-minimax apply` first"
         )
+    cutedsl = prebuild_cutedsl.plans_for(configs, kv_cache_dtypes, args.model, model, gpus)
+    cutedsl_ready = None if args.dry_run else prebuild_cutedsl.check_ready(cutedsl)
     jit_dir = _check_flashinfer_paths(location)
     cuda_home = None if args.dry_run else _check_toolchain()
     iw = importlib.import_module(INDEXER_WARMUP_MODULE)
@@ -229,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
     modelinfo = prebuild_modelinfo.fill_modelinfo_cache(architectures, dry_run=args.dry_run)
     _say(prebuild_modelinfo.summary(modelinfo, architectures_source))
     prebuild_humming.prebuild(humming, GPU_TARGETS, args.dry_run, _say, humming_ready)
+    prebuild_cutedsl.prebuild(cutedsl, GPU_TARGETS, args.dry_run, _say, cutedsl_ready)
     plans = _plans(configs, kv_cache_dtypes, model, gpus)
     if all(plan.indexer is None and plan.sparse_attention is None for plan in plans):
         raise PrebuildError("no engine of these configs runs a FlashInfer program on these GPUs")

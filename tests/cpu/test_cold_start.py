@@ -68,10 +68,14 @@ def test_prebuilt_arm_finds_the_prebuilds_vllm_model_info_in_its_home(tmp_path):
     entry = prebuilt / "vllm" / "modelinfos" / "vllm-models-minimax_m3-M.json"
     entry.parent.mkdir(parents=True)
     entry.write_text('{"hash": "h"}')
+    kernel = prebuilt / "vllm" / "cutedsl" / "LLFp32WGemm" / "0123.o"
+    kernel.parent.mkdir(parents=True)
+    kernel.write_bytes(b"object")
     env = cold_start.prepare_home(tmp_path, "tiny", "prebuilt", prebuilt)
     # vLLM's default VLLM_CACHE_ROOT is XDG_CACHE_HOME/vllm; the server inherits no other.
-    served = Path(env["XDG_CACHE_HOME"]) / "vllm" / "modelinfos" / entry.name
-    assert served.read_text() == '{"hash": "h"}'
+    served = Path(env["XDG_CACHE_HOME"]) / "vllm"
+    assert (served / "modelinfos" / entry.name).read_text() == '{"hash": "h"}'
+    assert (served / "cutedsl" / "LLFp32WGemm" / "0123.o").read_bytes() == b"object"
     assert "VLLM_CACHE_ROOT" not in env
 
 
@@ -87,18 +91,6 @@ def test_prebuilt_arm_serves_the_prebuilds_humming_kernels_from_its_home(tmp_pat
     assert "HUMMING_CACHE_DIR" not in env
     served = cache_dirs(env)["humming"] / "0123abcd" / "kernel.cubin"
     assert served.read_bytes() == b"cubin"
-
-
-def test_prebuilt_arm_serves_the_prebuilds_cutedsl_executors_from_its_home(tmp_path):
-    from vllm_minimax.compile_caches import cache_dirs
-
-    prebuilt = tmp_path / "prebuilt-rank-mxfp8-ep"
-    entry = prebuilt / "vllm" / "cutedsl" / "LLFp32WGemm" / "ab12.o"
-    entry.parent.mkdir(parents=True)
-    entry.write_bytes(b"object")
-    env = cold_start.prepare_home(tmp_path, "rank-mxfp8-ep", "prebuilt", prebuilt)
-    served = cache_dirs(env)["vllm_cutedsl"] / "LLFp32WGemm" / "ab12.o"
-    assert served.read_bytes() == b"object"
 
 
 def test_arms_that_need_an_earlier_one_say_so(tmp_path):
@@ -120,6 +112,18 @@ def test_engine_figures_of_the_h100_cold_start_log():
     assert found["cute_dsl_compile_lines"] == 21
     assert found["triton_after_ready"] == ["_topk_log_softmax_kernel"]
     assert found["prebuilt_check"] is None
+    assert not found["vllm_cutedsl_loaded"] and not found["vllm_cutedsl_saved"]
+
+
+def test_the_cutedsl_cache_lines_say_whether_a_start_loaded_or_saved():
+    log = (
+        "(EngineCore pid=1) INFO 12-08 01:00:00 [jit_warmup_cutedsl_cache.py:173] Loading"
+        " CuTe-DSL kernels from /h/.cache/vllm/cutedsl\n"
+    )
+    found = cold_start.parse_log(log)
+    assert found["vllm_cutedsl_loaded"] and not found["vllm_cutedsl_saved"]
+    found = cold_start.parse_log(log.replace("Loading", "Saving").replace(" from ", " to "))
+    assert found["vllm_cutedsl_saved"] and not found["vllm_cutedsl_loaded"]
 
 
 def test_builds_split_at_ready(tmp_path):
@@ -352,7 +356,8 @@ def _slice_row(arm: str, ready: float, log: str, humming: int, after: int = 0) -
 def test_summary_names_the_target_rows_and_what_holds_a_miss(tmp_path):
     jit = {"_IndexerFlashInferJit": 4, "LLFp32WGemm": 55, "Sm90BF16x3RouterGemmKernel": 10}
     empty = _slice_row("empty", 311.0, _slice_log(40, 20, 157, jit, 12), humming=212)
-    prebuilt = _slice_row("prebuilt", 120.0, _slice_log(35, 10, 20, jit, 12), humming=212)
+    loaded = "INFO [jit_warmup_cutedsl_cache.py:173] Loading CuTe-DSL kernels from /h/vllm\n"
+    prebuilt = _slice_row("prebuilt", 120.0, _slice_log(35, 10, 20, jit, 12) + loaded, humming=212)
     warm = _slice_row("carried", 61.0, _slice_log(35, 10, 4, jit, 12), humming=0, after=3)
     runs = []
     for row in (empty, prebuilt, warm):
@@ -368,6 +373,8 @@ def test_summary_names_the_target_rows_and_what_holds_a_miss(tmp_path):
         "warm": 61.0,
     }
     assert states["fresh_empty"]["phases_s"]["profile_run_s"] == 157.0
+    assert states["fresh_prebuilt"]["vllm_cutedsl"] == {"loaded": True, "saved": False}
+    assert states["fresh_empty"]["vllm_cutedsl"] == {"loaded": False, "saved": False}
     assert states["fresh_empty"]["phases_s"]["kv_to_jit_s"] == 2.0
     assert states["fresh_empty"]["phases_s"]["before_engine_s"] == 45.0
     fresh, carried, nothing_after = summary["targets"]

@@ -8,10 +8,12 @@ which gives the compiled function the same stream parameter (`Stream`) a `CUstre
 
 What the CPU cannot show: a loaded executor launching on a GPU. What it shows: the loaded
 function takes the compiled one's arguments (the same signature, checked by the function
-itself on CPU tensors, which it refuses for their device after accepting their count), a
-second process loads every key without calling `cute.compile`, every factor of the key names
-another entry, a stale or damaged entry is compiled again, an unwritable root only warns, the
-writes are atomic, and vLLM's JIT monitor still sees a compile after the warm-up.
+itself on CPU tensors, which it refuses for their device after accepting their count), every
+factor of the key names another entry, a stale or damaged entry is compiled again, an
+unwritable root only warns, the writes are atomic, and vLLM's JIT monitor still sees a compile
+after the warm-up. That a fresh process, starting as a GPU start does, loads every entry
+without calling `cute.compile` is test_prebuild_cutedsl.py's (its entries are written through
+the same `compile`).
 """
 
 from __future__ import annotations
@@ -21,9 +23,7 @@ import importlib.util
 import json
 import logging
 import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import cutlass.cute as cute
@@ -348,66 +348,3 @@ def test_the_bf16x3_router_gemm_round_trips(root, compiles):
     refusal = _refusal(second._compiled_cache[key], *args)
     assert "expected device_type=cuda" in refusal
     assert refusal == _refusal(first._compiled_cache[key], *args)
-
-
-_SECOND_PROCESS = textwrap.dedent(
-    """
-    import json, sys
-    import cutlass.cute as cute
-    import torch
-    from vllm.model_executor.kernels.linear.cute_dsl import ll_fp32w
-
-    calls = []
-    inner = cute.compile
-    def counted(*args, **kwargs):
-        calls.append(getattr(args[0], "__class__", type(None)).__name__)
-        return inner(*args, **kwargs)
-    cute.compile = counted
-    ll_fp32w.use_pdl = lambda: True
-    kernel = ll_fp32w.LLFp32WGemm()
-    kernel.warmup(shapes=((6144, 16),), m_values=range(1, 3), a_dtypes=(torch.bfloat16,))
-    names = [type(e).__name__ for e in kernel._compiled_cache.values()]
-    result = {"kernels": {"LLFp32WGemm": names}}
-    if sys.argv[1] == "1":
-        from vllm.model_executor.layers.fused_moe.router import bf16x3_router_gemm_sm90 as b
-        other = b.Sm90BF16x3RouterGemmKernel()
-        other.compile(other.CompileKey(k=3072, block_t=32, block_k=128, num_stages=3, split_k=1))
-        result["kernels"]["Sm90BF16x3RouterGemmKernel"] = [
-            type(e).__name__ for e in other._compiled_cache.values()
-        ]
-    result["compiles"] = calls
-    print(json.dumps(result))
-    """
-)
-
-
-def test_a_second_process_loads_every_warmup_key_without_compiling(
-    root, compiles, patched_vllm_root
-):
-    kernel = ll_fp32w.LLFp32WGemm()
-    kernel.warmup(shapes=((K, N),), m_values=range(1, 3), a_dtypes=(torch.bfloat16,))
-    expected = {"LLFp32WGemm": ["Function", "Function"]}
-    if HAS_BF16X3:
-        from vllm.model_executor.layers.fused_moe.router import bf16x3_router_gemm_sm90 as b
-
-        other = b.Sm90BF16x3RouterGemmKernel()
-        other.compile(other.CompileKey(k=3072, block_t=32, block_k=128, num_stages=3, split_k=1))
-        expected["Sm90BF16x3RouterGemmKernel"] = ["Function"]
-    written = compiles.calls
-    assert written == 2 + HAS_BF16X3
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(patched_vllm_root), os.environ.get("PYTHONPATH", "")]),
-    }
-    result = subprocess.run(
-        [sys.executable, "-c", _SECOND_PROCESS, "1" if HAS_BF16X3 else "0"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["compiles"] == [], report
-    assert report["kernels"] == expected

@@ -551,6 +551,19 @@ def humming_plans(monkeypatch) -> list:
     return handed
 
 
+@pytest.fixture
+def cutedsl_plans(monkeypatch) -> list:
+    """The prebuild's CuTe-DSL step stood in for, in the tests of its other steps (seconds of
+    `cute.compile` a key): the plans it is handed, nothing checked or built
+    (test_prebuild_cutedsl.py and the slow test below build)."""
+    from vllm_minimax import prebuild_cutedsl
+
+    handed: list = []
+    monkeypatch.setattr(prebuild_cutedsl, "check_ready", lambda plans: "stood in")
+    monkeypatch.setattr(prebuild_cutedsl, "prebuild", lambda plans, *a: handed.extend(plans) or 0)
+    return handed
+
+
 def _prebuild_args(tmp_path: Path, model: str = "MiniMaxAI/MiniMax-M3-MXFP8"):
     import argparse
 
@@ -578,7 +591,14 @@ def _stand_in_flashinfer_builds(monkeypatch: pytest.MonkeyPatch, cache: Path) ->
 
 
 def test_the_prebuild_fills_vllms_model_info_for_the_served_architecture(
-    cache, vllm_cache, monkeypatch, tmp_path, capsys, patched_vllm_root, humming_plans
+    cache,
+    vllm_cache,
+    monkeypatch,
+    tmp_path,
+    capsys,
+    patched_vllm_root,
+    humming_plans,
+    cutedsl_plans,
 ):
     """The patched model package (its hash covers the series' files) gets the file a fresh
     server reads; the prebuild names it in one line. FlashInfer's builds are stand-ins, and
@@ -599,6 +619,10 @@ def test_the_prebuild_fills_vllms_model_info_for_the_served_architecture(
     assert [(p.gpu, p.skipped) for p in humming_plans] == [("h200", None)]
     assert humming_plans[0].layers
     assert humming_plans[0].source.startswith("the known geometry of MiniMaxAI/MiniMax-M3-MXFP8")
+    # M3's 6144 x 128 gate: the SM90 bf16x3 router GEMM's keys, no LLFp32WGemm.
+    [cutedsl] = cutedsl_plans
+    assert (cutedsl.gpu, cutedsl.skipped) == ("h200", None)
+    assert [cls.__name__ for cls in cutedsl.keys] == ["Sm90BF16x3RouterGemmKernel"]
     fresh = registry._LazyRegisteredModel(entry.module_name, entry.class_name)
     # The hash vLLM keys it on is of the patched tree's package (the series' files in it).
     origin = importlib.util.find_spec(entry.module_name).origin
@@ -616,7 +640,7 @@ def test_the_prebuild_fills_vllms_model_info_for_the_served_architecture(
 
 
 def test_the_prebuild_builds_an_mxfp8_models_humming_gemm_kernels(
-    cache, vllm_cache, monkeypatch, tmp_path, capsys
+    cache, vllm_cache, monkeypatch, tmp_path, capsys, cutedsl_plans
 ):
     """`warmup --prebuild` of an MXFP8 config.json builds Humming's GEMM kernels into
     $HUMMING_CACHE_DIR and says so in one line; one layer shape (o_proj) keeps it to seconds,
@@ -669,7 +693,7 @@ def test_the_prebuild_builds_an_mxfp8_models_humming_gemm_kernels(
 
 
 def test_an_unwritable_vllm_cache_stops_the_prebuild_before_it_builds(
-    cache, vllm_cache, monkeypatch, tmp_path, capsys, humming_plans
+    cache, vllm_cache, monkeypatch, tmp_path, capsys, humming_plans, cutedsl_plans
 ):
     built: list[object] = []
     monkeypatch.setattr(prebuild, "plan_programs", lambda plan, builder: built.append(plan))
@@ -692,7 +716,7 @@ def test_an_unwritable_vllm_cache_stops_the_prebuild_before_it_builds(
 
 
 def test_the_prebuild_holds_one_lock_over_its_check_build_and_write(
-    cache, vllm_cache, monkeypatch, tmp_path, humming_plans
+    cache, vllm_cache, monkeypatch, tmp_path, humming_plans, cutedsl_plans
 ):
     """`vllm-minimax warmup --prebuild` (prebuild.run) checks the cache, builds and writes
     its manifest under the lock the engine's check takes, held throughout; FlashInfer's
@@ -776,6 +800,13 @@ def test_prebuild_compiles_sm90a_programs_flashinfer_then_loads(
     result = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "2 programs built, 0 already there" in result.stdout
+    # The gate's router GEMM keys (its 6144 x 128: the bf16x3 kernel's, 512 tokens), built
+    # into the tree's vLLM cache (VLLM_CACHE_ROOT, as its model-info file) or found there.
+    [line] = [x for x in result.stdout.splitlines() if x.startswith("cutedsl: ") and "built" in x]
+    entries = int(line.split()[1])
+    assert entries > 0 and line.endswith("each loads with no cute.compile")
+    written = Path(os.environ["VLLM_CACHE_ROOT"], "cutedsl", "Sm90BF16x3RouterGemmKernel")
+    assert len(list(written.glob("*.json"))) >= entries
 
     workspace = base / ".cache" / "flashinfer" / "0.7.4" / "90a"
     [program] = (workspace / "cached_ops").glob(NVCC_PROGRAM)
