@@ -340,16 +340,22 @@ def test_dockerfile_prebuilds_into_the_cache_the_server_reads():
     assert script_default.group(1) == dockerfile_default.group(1)
 
 
+# Where the image's prebuild writes vLLM's model-info file and CuTe-DSL entries: vLLM's default
+# VLLM_CACHE_ROOT for root, as the Dockerfile sets none.
+IMAGE_VLLM_CACHE = "/root/.cache/vllm"
+
+
 def test_documented_docker_runs_hide_none_of_the_images_caches():
-    """No documented `docker run` mounts a host directory over (or above) the image's FlashInfer
-    or Humming cache, which would hide what `docker build` put there, nor Humming's default cache
-    under /root, which the image's HUMMING_CACHE_DIR leaves unread (a named volume starts as a
-    copy of the image's directory, so it may)."""
+    """No documented `docker run` mounts a host directory over (or above) the image's FlashInfer,
+    Humming or vLLM cache, which would hide what `docker build` put there, nor Humming's default
+    cache under /root, which the image's HUMMING_CACHE_DIR leaves unread (a named volume starts
+    as a copy of the image's directory, so it may)."""
     text = DOCKERFILE.read_text()
+    assert not re.search(r"^ENV VLLM_CACHE_ROOT=", text, re.M), "update IMAGE_VLLM_CACHE"
     caches = [
         re.search(rf"^ENV {name}=(/\S+)$", text, re.M).group(1)  # type: ignore[union-attr]
         for name in ("FLASHINFER_WORKSPACE_BASE", "HUMMING_CACHE_DIR")
-    ]
+    ] + [IMAGE_VLLM_CACHE]
     for doc in IMAGE_DOCS:
         for source, target in re.findall(r"-v (\S+?):(/\S*)", doc.read_text()):
             where = f"{doc.relative_to(REPO_ROOT)}: -v {source}:{target}"
