@@ -49,14 +49,11 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm_minimax.prebuild_inputs import (
-    M3_CHECKPOINT_PREFIX,
     EngineSettings,
     GpuTarget,
     ModelGeometry,
     PrebuildError,
-    known_config_json,
-    no_config_json,
-    read_config_json,
+    model_config_json,
     read_engine_settings,
 )
 
@@ -94,19 +91,11 @@ class CuteDslPlan:
 
 
 def gate_shape(model: str) -> tuple[GateShape | None, str]:
-    """The gate of ``model``'s MoE layers (None: it has none) and where that came from: its
-    ``config.json`` here, else the one this package knows for the published MXFP8 checkpoint,
-    else MiniMax M3's published geometry for its checkpoints' names."""
+    """The gate of ``model``'s MoE layers (None: it has none) and where that came from
+    (``prebuild_inputs.model_config_json``)."""
     from vllm_minimax.prebuild_humming import layer_kinds
 
-    found = read_config_json(model) or known_config_json(model)
-    if found is None and model.startswith(M3_CHECKPOINT_PREFIX):
-        from vllm_minimax.m3_geometry import M3_TEXT_CONFIG
-
-        found = (dict(M3_TEXT_CONFIG), f"MiniMax M3's published geometry (for {model})")
-    if found is None:
-        raise no_config_json(model)
-    config, source = found
+    config, source = model_config_json(model)
     text = config.get("text_config") or config
     try:
         _, mlp, _ = layer_kinds(text)

@@ -239,16 +239,20 @@ def no_config_json(model: str) -> PrebuildError:
     )
 
 
-def read_model_geometry(model: str) -> ModelGeometry:
-    """``model``'s geometry: its ``config.json`` (a local directory, or the Hugging Face
-    cache), else, for MiniMax M3's checkpoints, the published geometry."""
+def model_config_json(model: str) -> tuple[Any, str]:
+    """``model``'s ``config.json`` and where it came from: its own (a local directory, or the
+    Hugging Face cache), else, for MiniMax M3's checkpoints, the published text config; else
+    :func:`no_config_json`'s error."""
     found = read_config_json(model)
     if found is not None:
-        return geometry_from_config_json(*found)
+        return found
     if model.startswith(M3_CHECKPOINT_PREFIX):
         from vllm_minimax.m3_geometry import M3_TEXT_CONFIG
 
-        return geometry_from_config_json(
-            dict(M3_TEXT_CONFIG), f"MiniMax M3's published geometry (for {model})"
-        )
+        return dict(M3_TEXT_CONFIG), f"MiniMax M3's published geometry (for {model})"
     raise no_config_json(model)
+
+
+def read_model_geometry(model: str) -> ModelGeometry:
+    """``model``'s geometry, from :func:`model_config_json`."""
+    return geometry_from_config_json(*model_config_json(model))
